@@ -1,0 +1,17 @@
+"""One file per op: its Triton kernels, then one torch.autograd.Function."""
+
+from tigon.ops.fused_add_rms_norm import FusedAddRMSNormFunction
+from tigon.ops.glu import GLUFunction
+from tigon.ops.glu_linear import GLUDownProjFunction
+from tigon.ops.layer_norm import LayerNormFunction
+from tigon.ops.rms_norm import RMSNormFunction
+from tigon.ops.rope import RoPEFunction
+
+__all__ = [
+    "FusedAddRMSNormFunction",
+    "GLUDownProjFunction",
+    "GLUFunction",
+    "LayerNormFunction",
+    "RMSNormFunction",
+    "RoPEFunction",
+]

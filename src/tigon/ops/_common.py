@@ -1,0 +1,132 @@
+"""What every op shares: argument checks, output allocation and launch sizes.
+
+Kernels run on CUDA tensors, or on CPU tensors when Triton's interpreter is on
+(``TRITON_INTERPRET=1`` set before triton is imported); that is how the test suite runs
+every kernel on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+# When set (the test suite sets it), every output buffer starts as NaN instead of
+# uninitialised memory, so an element a kernel forgot to write fails the comparison.
+_POISON_OUTPUTS = os.environ.get("TIGON_POISON_OUTPUTS", "0") == "1"
+
+
+def set_poison_outputs(enabled: bool) -> None:
+    """Fill every kernel output with NaN before the kernel writes it (a testing aid)."""
+    global _POISON_OUTPUTS
+    _POISON_OUTPUTS = bool(enabled)
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised buffer a kernel will fill (NaN-filled when poisoning is on)."""
+    if _POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """NaN-fill a buffer that a kernel is about to overwrite in place (when poisoning is on)."""
+    if _POISON_OUTPUTS:
+        t.fill_(float("nan"))
+    return t
+
+
+def check_tensor(name: str, t, *, ndim=None, min_ndim=None, floating=True) -> None:
+    """Raise TypeError/ValueError naming `name` when `t` is not a usable kernel input."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if floating and not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if floating and t.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        raise TypeError(f"{name} has dtype {t.dtype}; tigon kernels take float32, float16 or bfloat16")
+    if ndim is not None and t.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if min_ndim is not None and t.ndim < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dimension(s), got shape {tuple(t.shape)}")
+    if t.device.type == "cuda":
+        return
+    if t.device.type == "cpu" and interpreter_enabled():
+        return
+    if t.device.type == "cpu":
+        raise RuntimeError(
+            f"{name} is on the CPU: tigon kernels run on CUDA tensors, or on CPU tensors only under "
+            "the Triton interpreter (set TRITON_INTERPRET=1 before importing triton)"
+        )
+    raise RuntimeError(f"{name} is on device {t.device}; tigon kernels run on CUDA tensors")
+
+
+def check_same_device(**tensors) -> None:
+    """All given tensors (None entries skipped) must sit on one device."""
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}")
+
+
+def check_same_dtype(**tensors) -> None:
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.dtype != first.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but {first_name} has dtype {first.dtype}")
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """View x as [rows, last_dim] with unit stride along the last dim (copies only if it must)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < x2.shape[1]):
+        x2 = x2.contiguous()
+    return x2
+
+
+# Largest row a one-block-per-row kernel holds in registers (fp32: 256 KiB per program at
+# 32 warps); wider rows would spill, so they are refused rather than silently slow.
+MAX_FUSED_ROW = 65536
+
+
+def row_block_config(n_cols: int, name: str = "hidden size") -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for kernels that keep whole rows in registers.
+
+    Short rows are packed several per program so that each program still moves ~8K elements.
+    """
+    block_n = triton.next_power_of_2(n_cols)
+    if block_n > MAX_FUSED_ROW:
+        raise ValueError(f"{name} {n_cols} is larger than the supported maximum {MAX_FUSED_ROW}")
+    block_m = max(1, min(64, 4096 // block_n))
+    elements = block_m * block_n
+    if elements >= 32768:
+        num_warps = 32
+    elif elements >= 8192:
+        num_warps = 16
+    elif elements >= 2048:
+        num_warps = 8
+    else:
+        num_warps = 4
+    return block_m, block_n, num_warps
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessor_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def persistent_programs(device: torch.device, n_tasks: int, per_sm: int = 2) -> int:
+    """Programs for a persistent grid: a few per SM on the GPU, a handful in the interpreter."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        limit = _multiprocessor_count(index) * per_sm
+    else:
+        limit = 3  # small, so the interpreter exercises programs that loop over several tasks
+    return max(1, min(limit, n_tasks))

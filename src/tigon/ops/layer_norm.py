@@ -1,0 +1,154 @@
+"""LayerNorm over the last dim: y = (x - mean) / sqrt(var + eps) * weight + bias.
+
+Statistics and arithmetic in fp32, output in x's dtype (as torch's LayerNorm on CUDA).
+weight and bias are each optional; their gradients are reduced in fp32 without atomics.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tigon.ops._common import (
+    as_rows,
+    check_same_device,
+    check_tensor,
+    new_output,
+    persistent_programs,
+    row_block_config,
+)
+
+
+@triton.jit
+def layer_norm_forward_kernel(
+    X, stride_x, Y, stride_y, W, B, MEAN, RSTD,
+    n_rows, n_cols, eps,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / n_cols
+    # Two-pass variance (centre first): no cancellation when |mean| >> std.
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / n_cols + eps)
+    tl.store(MEAN + rows, mean, mask=row_mask)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+    y = xc * rstd[:, None]
+    if HAS_WEIGHT:
+        y = y * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def layer_norm_backward_kernel(
+    DY, stride_dy, X, stride_x, W, MEAN, RSTD, DX, stride_dx, DW_PARTIAL, DB_PARTIAL,
+    n_rows, n_cols,
+    HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Persistent grid as in the RMSNorm backward: per-program fp32 partial sums of dW, dB."""
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for block in range(pid, tl.cdiv(n_rows, BLOCK_M), n_programs):
+        rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if HAS_WEIGHT:
+            g = dy * w[None, :]
+        else:
+            g = dy
+        mean_g = tl.sum(g, axis=1) / n_cols
+        mean_gx = tl.sum(g * x_hat, axis=1) / n_cols
+        dx = rstd[:, None] * (g - mean_g[:, None] - x_hat * mean_gx[:, None])
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if COMPUTE_DW:
+            dw += tl.sum(dy * x_hat, axis=0)
+        if COMPUTE_DB:
+            db += tl.sum(dy, axis=0)
+    if COMPUTE_DW:
+        tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=col_mask)
+    if COMPUTE_DB:
+        tl.store(DB_PARTIAL + pid * n_cols + cols, db, mask=col_mask)
+
+
+def check_layer_norm_args(x, weight, bias):
+    check_tensor("x", x, min_ndim=1)
+    n = x.shape[-1]
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None:
+            check_tensor(name, p, ndim=1)
+            if p.shape[0] != n:
+                raise ValueError(f"{name} has shape {tuple(p.shape)} but x's last dim is {n}")
+    check_same_device(x=x, weight=weight, bias=bias)
+
+
+class LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps=1e-5):
+        check_layer_norm_args(x, weight, bias)
+        x2 = as_rows(x)
+        n_rows, n_cols = x2.shape
+        block_m, block_n, num_warps = row_block_config(n_cols)
+        y = new_output((n_rows, n_cols), x.dtype, x.device)
+        mean = new_output((n_rows,), torch.float32, x.device)
+        rstd = new_output((n_rows,), torch.float32, x.device)
+        if n_rows:
+            layer_norm_forward_kernel[(triton.cdiv(n_rows, block_m),)](
+                x2, x2.stride(0), y, y.stride(0),
+                weight if weight is not None else x2, bias if bias is not None else x2, mean, rstd,
+                n_rows, n_cols, float(eps),
+                HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            )
+        ctx.save_for_backward(x2, weight, mean, rstd)
+        ctx.has_bias = bias is not None
+        ctx.param_dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, mean, rstd = ctx.saved_tensors
+        dy2 = as_rows(dy)
+        n_rows, n_cols = x2.shape
+        block_m, block_n, num_warps = row_block_config(n_cols)
+        compute_dw = weight is not None and ctx.needs_input_grad[1]
+        compute_db = ctx.has_bias and ctx.needs_input_grad[2]
+        dx = new_output((n_rows, n_cols), x2.dtype, x2.device)
+        n_programs = persistent_programs(x2.device, triton.cdiv(n_rows, block_m))
+        dw_partial = new_output((n_programs, n_cols), torch.float32, x2.device) if compute_dw else None
+        db_partial = new_output((n_programs, n_cols), torch.float32, x2.device) if compute_db else None
+        if n_rows:
+            layer_norm_backward_kernel[(n_programs,)](
+                dy2, dy2.stride(0), x2, x2.stride(0), weight if weight is not None else x2,
+                mean, rstd, dx, dx.stride(0),
+                dw_partial if compute_dw else mean, db_partial if compute_db else mean,
+                n_rows, n_cols,
+                HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
+                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            )
+        w_dtype, b_dtype = ctx.param_dtypes
+        dw = db = None
+        if compute_dw:
+            dw = dw_partial.sum(0).to(w_dtype) if n_rows else torch.zeros(n_cols, dtype=w_dtype, device=x2.device)
+        if compute_db:
+            db = db_partial.sum(0).to(b_dtype) if n_rows else torch.zeros(n_cols, dtype=b_dtype, device=x2.device)
+        return dx.view(dy.shape), dw, db, None

@@ -1,0 +1,183 @@
+"""RMSNorm: y = x / sqrt(mean(x^2) + eps) * (weight + offset), over the last dim.
+
+Casting modes, matching the Hugging Face models:
+- ``"llama"``: normalise in fp32, cast to x's dtype, then multiply by the weight
+  (output dtype = promote(x.dtype, weight.dtype)), as ``LlamaRMSNorm``.
+- ``"gemma"``: everything in fp32, ``offset`` usually 1.0 (Gemma's ``1 + w``), cast to
+  x's dtype at the end, as ``GemmaRMSNorm``.
+
+The kernels also serve the fused residual-add variant (``fused_add_rms_norm.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tigon.ops._common import (
+    as_rows,
+    check_same_device,
+    check_tensor,
+    new_output,
+    persistent_programs,
+    row_block_config,
+)
+
+CASTING_MODES = {"llama": 0, "gemma": 1}
+
+
+@triton.jit
+def rms_norm_forward_kernel(
+    X, stride_x, R, stride_r, S, stride_s, Y, stride_y, W, RSTD,
+    n_rows, n_cols, eps, offset,
+    CASTING: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """BLOCK_M rows per program. With HAS_RESIDUAL, normalises s = x + r and stores s too."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & (cols[None, :] < n_cols)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+        # The sum is rounded to the input dtype, as HF's `residual + hidden_states`.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(S.dtype.element_ty)
+        tl.store(S + rows[:, None] * stride_s + cols[None, :], x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+    w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
+    x_hat = xf * rstd[:, None]
+    if CASTING == 0:
+        x_hat = x_hat.to(X.dtype.element_ty).to(tl.float32)
+    y = x_hat * w[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rms_norm_backward_kernel(
+    DY, stride_dy, X, stride_x, W, RSTD, DX, stride_dx, DS, stride_ds, DW_PARTIAL,
+    n_rows, n_cols, offset,
+    CASTING: tl.constexpr, HAS_DS: tl.constexpr, COMPUTE_DW: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Persistent grid: each program walks row blocks pid, pid + G, ... and keeps its share
+    of dW in fp32 registers, written once to DW_PARTIAL[pid] (summed on the host side), so
+    the weight gradient needs no atomics. DX may alias DY (in-place backward). With HAS_DS
+    the incoming gradient of the residual stream DS is added to dx."""
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for block in range(pid, tl.cdiv(n_rows, BLOCK_M), n_programs):
+        rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        x_hat = x.to(tl.float32) * rstd[:, None]
+        g = dy * w[None, :]
+        dx = rstd[:, None] * (g - x_hat * (tl.sum(g * x_hat, axis=1) / n_cols)[:, None])
+        if HAS_DS:
+            dx += tl.load(DS + rows[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if COMPUTE_DW:
+            if CASTING == 0:
+                x_hat = x_hat.to(X.dtype.element_ty).to(tl.float32)
+            dw += tl.sum(dy * x_hat, axis=0)
+    if COMPUTE_DW:
+        tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=col_mask)
+
+
+def rms_norm_forward(x2, weight, eps, offset, casting, residual2=None):
+    """x2 [M, N] (unit last stride), weight [N] -> (y [M, N], rstd fp32 [M], s [M, N] or None)."""
+    n_rows, n_cols = x2.shape
+    block_m, block_n, num_warps = row_block_config(n_cols)
+    out_dtype = torch.promote_types(x2.dtype, weight.dtype) if casting == "llama" else x2.dtype
+    y = new_output((n_rows, n_cols), out_dtype, x2.device)
+    rstd = new_output((n_rows,), torch.float32, x2.device)
+    s = new_output((n_rows, n_cols), x2.dtype, x2.device) if residual2 is not None else None
+    if n_rows:
+        rms_norm_forward_kernel[(triton.cdiv(n_rows, block_m),)](
+            x2, x2.stride(0),
+            residual2 if residual2 is not None else x2, residual2.stride(0) if residual2 is not None else 0,
+            s if s is not None else x2, s.stride(0) if s is not None else 0,
+            y, y.stride(0), weight, rstd,
+            n_rows, n_cols, eps, offset,
+            CASTING=CASTING_MODES[casting], HAS_RESIDUAL=residual2 is not None,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )
+    return y, rstd, s
+
+
+def rms_norm_backward(dy2, x2, weight, rstd, offset, casting, compute_dw, in_place=False, ds2=None):
+    """Gradients of rms_norm_forward: (dx [M, N] in x's dtype, dw [N] or None).
+
+    x2 is the normalised input (the sum s for the fused-add variant); ds2 [M, N] is the
+    gradient arriving on s directly, added to dx. in_place writes dx over dy2.
+    """
+    n_rows, n_cols = x2.shape
+    block_m, block_n, num_warps = row_block_config(n_cols)
+    if in_place and dy2.dtype == x2.dtype and dy2.stride(-1) == 1:
+        dx = dy2
+    else:
+        dx = new_output((n_rows, n_cols), x2.dtype, x2.device)
+    n_programs = persistent_programs(x2.device, triton.cdiv(n_rows, block_m))
+    dw_partial = new_output((n_programs, n_cols), torch.float32, x2.device) if compute_dw else None
+    if n_rows:
+        rms_norm_backward_kernel[(n_programs,)](
+            dy2, dy2.stride(0), x2, x2.stride(0), weight, rstd, dx, dx.stride(0),
+            ds2 if ds2 is not None else dy2, ds2.stride(0) if ds2 is not None else 0,
+            dw_partial if compute_dw else rstd,
+            n_rows, n_cols, offset,
+            CASTING=CASTING_MODES[casting], HAS_DS=ds2 is not None, COMPUTE_DW=compute_dw,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )
+    dw = None
+    if compute_dw:
+        dw = dw_partial.sum(0).to(weight.dtype) if n_rows else torch.zeros_like(weight)
+    return dx, dw
+
+
+def check_norm_args(x, weight, casting=None, **others):
+    """Shared argument checks of the norm ops: x [..., N], weight [N], floating, one device."""
+    check_tensor("x", x, min_ndim=1)
+    check_tensor("weight", weight, ndim=1)
+    if weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight has shape {tuple(weight.shape)} but x's last dim is {x.shape[-1]}")
+    for name, t in others.items():
+        if t is not None:
+            check_tensor(name, t)
+            if t.shape != x.shape:
+                raise ValueError(f"{name} has shape {tuple(t.shape)} but x has shape {tuple(x.shape)}")
+            if t.dtype != x.dtype:
+                raise TypeError(f"{name} has dtype {t.dtype} but x has dtype {x.dtype}")
+    check_same_device(x=x, weight=weight, **others)
+    if casting is not None and casting not in CASTING_MODES:
+        raise ValueError(f"casting must be one of {sorted(CASTING_MODES)}, got {casting!r}")
+
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps=1e-6, offset=0.0, casting="llama", in_place=False):
+        check_norm_args(x, weight, casting)
+        x2 = as_rows(x)
+        y, rstd, _ = rms_norm_forward(x2, weight, float(eps), float(offset), casting)
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.offset, ctx.casting, ctx.in_place = float(offset), casting, in_place
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, rstd = ctx.saved_tensors
+        dy2 = as_rows(dy)
+        dx, dw = rms_norm_backward(
+            dy2, x2, weight, rstd, ctx.offset, ctx.casting,
+            compute_dw=ctx.needs_input_grad[1], in_place=ctx.in_place,
+        )
+        return dx.view(dy.shape), dw, None, None, None, None

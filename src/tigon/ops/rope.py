@@ -1,0 +1,200 @@
+"""Rotary position embedding for q and k in one launch, equal to HF's ``apply_rotary_pos_emb``.
+
+out = x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1) over the rotated part.
+q [B, Hq, T, D] and k [B, Hk, T, D] (``unsqueeze_dim=1``; [B, T, H, D] with ``unsqueeze_dim=2``),
+any strides with a unit last stride; Hq != Hk (GQA) is fine. cos, sin [T, R] or [1|B, T, R]
+with R <= D even: the first R dims rotate, the rest pass through (partial rotary, as Phi-3).
+With ``position_ids`` [1|B, T], cos and sin are tables [P, R] or [1, P, R] gathered in the
+kernel at those positions. cos and sin are constants (no gradient), as HF computes them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tigon.ops._common import check_same_device, check_same_dtype, check_tensor, new_output, poison_
+
+
+@triton.jit
+def rope_rotate_heads(
+    X, sxb, sxh, sxt, Y, syb, syh, syt, b, t, n_heads, head_dim, half_rot,
+    c1, c2, s1, s2,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_PASS: tl.constexpr,
+):
+    """Rotate all heads of token (b, t): y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2; copy the rest."""
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < n_heads) & (d[None, :] < half_rot)
+    x_base = X + b * sxb + t * sxt + h[:, None] * sxh
+    y_base = Y + b * syb + t * syt + h[:, None] * syh
+    x1 = tl.load(x_base + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_base + half_rot + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    y1 = x1 * c1[None, :] - x2 * s1[None, :]
+    y2 = x2 * c2[None, :] + x1 * s2[None, :]
+    tl.store(y_base + d[None, :], y1.to(Y.dtype.element_ty), mask=mask)
+    tl.store(y_base + half_rot + d[None, :], y2.to(Y.dtype.element_ty), mask=mask)
+    if BLOCK_PASS > 0:
+        p = 2 * half_rot + tl.arange(0, BLOCK_PASS)
+        pass_mask = (h[:, None] < n_heads) & (p[None, :] < head_dim)
+        tl.store(y_base + p[None, :], tl.load(x_base + p[None, :], mask=pass_mask), mask=pass_mask)
+
+
+@triton.jit
+def rope_kernel(
+    Q, sqb, sqh, sqt, K, skb, skh, skt,
+    QO, sqob, sqoh, sqot, KO, skob, skoh, skot,
+    COS, SIN, scb, sct, POS, spb, spt,
+    seq_len, n_q_heads, n_k_heads, head_dim, half_rot,
+    HAS_POS: tl.constexpr, BACKWARD: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_PASS: tl.constexpr,
+):
+    """One program per token (b, t): loads its cos/sin row once and rotates every q and k head.
+
+    The backward is the transpose: dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1, i.e. the
+    forward with (s1, s2) replaced by (-s2, -s1).
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // seq_len
+    t = pid % seq_len
+    if HAS_POS:
+        row = tl.load(POS + b * spb + t * spt).to(tl.int64)
+        cs_offset = row * sct
+    else:
+        cs_offset = b * scb + t * sct
+    d = tl.arange(0, BLOCK_D)
+    dm = d < half_rot
+    c1 = tl.load(COS + cs_offset + d, mask=dm, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + cs_offset + half_rot + d, mask=dm, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + cs_offset + d, mask=dm, other=0.0).to(tl.float32)
+    s2 = tl.load(SIN + cs_offset + half_rot + d, mask=dm, other=0.0).to(tl.float32)
+    if BACKWARD:
+        s1, s2 = -s2, -s1
+    rope_rotate_heads(Q, sqb, sqh, sqt, QO, sqob, sqoh, sqot, b, t, n_q_heads, head_dim, half_rot,
+                      c1, c2, s1, s2, BLOCK_HQ, BLOCK_D, BLOCK_PASS)
+    rope_rotate_heads(K, skb, skh, skt, KO, skob, skoh, skot, b, t, n_k_heads, head_dim, half_rot,
+                      c1, c2, s1, s2, BLOCK_HK, BLOCK_D, BLOCK_PASS)
+
+
+def _bhtd_strides(x, unsqueeze_dim):
+    """Strides of x in (batch, head, token) order for either HF layout."""
+    if unsqueeze_dim == 1:  # [B, H, T, D]
+        return x.stride(0), x.stride(1), x.stride(2)
+    return x.stride(0), x.stride(2), x.stride(1)  # [B, T, H, D]
+
+
+def _unit_last_stride(x):
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def rope_apply(q, k, cos, sin, position_ids, unsqueeze_dim, backward):
+    """Launch the kernel on checked inputs; returns new (q_out, k_out) with q's and k's layouts."""
+    q, k = _unit_last_stride(q), _unit_last_stride(k)
+    h_axis, t_axis = (1, 2) if unsqueeze_dim == 1 else (2, 1)
+    batch, seq_len, head_dim = q.shape[0], q.shape[t_axis], q.shape[3]
+    n_q_heads, n_k_heads = q.shape[h_axis], k.shape[h_axis]
+    rot = cos.shape[-1]
+    cos3, sin3 = cos.reshape(-1, *cos.shape[-2:]), sin.reshape(-1, *sin.shape[-2:])
+    cos3, sin3 = _unit_last_stride(cos3), _unit_last_stride(sin3)
+    if cos3.stride() != sin3.stride():
+        cos3, sin3 = cos3.contiguous(), sin3.contiguous()
+    # A cos of batch 1 is shared by every sequence: batch stride 0.
+    scb = cos3.stride(0) if cos3.shape[0] > 1 else 0
+    sct = cos3.stride(1)
+    q_out, k_out = _new_like_layout(q), _new_like_layout(k)
+    if position_ids is not None:
+        pos = position_ids
+        spb = pos.stride(0) if pos.shape[0] > 1 else 0
+        spt = pos.stride(1)
+    else:
+        pos, spb, spt = cos3, 0, 0
+    half_rot = rot // 2
+    block_d = triton.next_power_of_2(half_rot)
+    n_pass = head_dim - rot
+    block_pass = triton.next_power_of_2(n_pass) if n_pass > 0 else 0
+    n_tokens = batch * seq_len
+    if n_tokens and head_dim:
+        rope_kernel[(n_tokens,)](
+            q, *_bhtd_strides(q, unsqueeze_dim), k, *_bhtd_strides(k, unsqueeze_dim),
+            q_out, *_bhtd_strides(q_out, unsqueeze_dim), k_out, *_bhtd_strides(k_out, unsqueeze_dim),
+            cos3, sin3, scb, sct, pos, spb, spt,
+            seq_len, n_q_heads, n_k_heads, head_dim, half_rot,
+            HAS_POS=position_ids is not None, BACKWARD=backward,
+            BLOCK_HQ=triton.next_power_of_2(n_q_heads), BLOCK_HK=triton.next_power_of_2(n_k_heads),
+            BLOCK_D=block_d, BLOCK_PASS=block_pass,
+            num_warps=4 if (n_q_heads + n_k_heads) * head_dim <= 4096 else 8,
+        )
+    return q_out, k_out
+
+
+def _new_like_layout(x):
+    """A fresh buffer with x's memory layout (e.g. HF's q, a transposed view of the projection)."""
+    if x.is_contiguous():
+        return new_output(x.shape, x.dtype, x.device)
+    out = torch.empty_like(x)  # keeps the stride order of a dense non-contiguous tensor
+    if out.stride(-1) != 1:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return poison_(out)
+
+
+def check_rope_args(q, k, cos, sin, position_ids, unsqueeze_dim):
+    if unsqueeze_dim not in (1, 2):
+        raise ValueError(f"unsqueeze_dim must be 1 ([B, H, T, D]) or 2 ([B, T, H, D]), got {unsqueeze_dim}")
+    check_tensor("q", q, ndim=4)
+    check_tensor("k", k, ndim=4)
+    check_tensor("cos", cos, min_ndim=2)
+    check_tensor("sin", sin, min_ndim=2)
+    check_same_dtype(q=q, k=k)
+    check_same_device(q=q, k=k, cos=cos, sin=sin, position_ids=position_ids)
+    h_axis, t_axis = (1, 2) if unsqueeze_dim == 1 else (2, 1)
+    batch, seq_len, head_dim = q.shape[0], q.shape[t_axis], q.shape[3]
+    if k.shape[0] != batch or k.shape[t_axis] != seq_len or k.shape[3] != head_dim:
+        raise ValueError(f"k has shape {tuple(k.shape)}, which does not match q's batch, tokens and head dim "
+                         f"(q has shape {tuple(q.shape)})")
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos has shape {tuple(cos.shape)} but sin has shape {tuple(sin.shape)}")
+    if cos.ndim > 3 and any(s != 1 for s in cos.shape[:-3]):
+        raise ValueError(f"cos must be [T, R] or [1|B, T, R], got shape {tuple(cos.shape)}")
+    rot = cos.shape[-1]
+    if rot % 2 or rot > head_dim or rot == 0:
+        raise ValueError(f"cos's last dim {rot} must be even, non-zero and at most the head dim {head_dim}")
+    cos_batch = cos.shape[-3] if cos.ndim >= 3 else 1
+    if position_ids is None:
+        if cos.shape[-2] != seq_len:
+            raise ValueError(f"cos has {cos.shape[-2]} positions but q has {seq_len} tokens "
+                             "(pass position_ids to index a longer table)")
+        if cos_batch not in (1, batch):
+            raise ValueError(f"cos has batch {cos_batch}; it must be 1 or q's batch {batch}")
+    else:
+        check_tensor("position_ids", position_ids, ndim=2, floating=False)
+        if position_ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"position_ids must be int32 or int64, got {position_ids.dtype}")
+        if position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != seq_len:
+            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; expected [1|{batch}, {seq_len}]")
+        if cos_batch != 1:
+            raise ValueError(f"with position_ids, cos must be a table [P, R] or [1, P, R], got {tuple(cos.shape)}")
+        if position_ids.numel():
+            # One host sync: an out-of-table position would read outside cos / sin.
+            lo, hi = int(position_ids.min()), int(position_ids.max())
+            if lo < 0 or hi >= cos.shape[-2]:
+                raise ValueError(f"position_ids range over [{lo}, {hi}] but cos has {cos.shape[-2]} positions")
+
+
+class RoPEFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        check_rope_args(q, k, cos, sin, position_ids, unsqueeze_dim)
+        if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+            raise ValueError("cos / sin require grad, but tigon's RoPE treats them as constants "
+                             "(compute them under torch.no_grad(), as HF's rotary embedding does)")
+        q_out, k_out = rope_apply(q, k, cos, sin, position_ids, unsqueeze_dim, backward=False)
+        ctx.save_for_backward(cos, sin, position_ids)
+        ctx.unsqueeze_dim = unsqueeze_dim
+        return q_out, k_out
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cos, sin, position_ids = ctx.saved_tensors
+        dq, dk = rope_apply(dq, dk, cos, sin, position_ids, ctx.unsqueeze_dim, backward=True)
+        return dq, dk, None, None, None, None

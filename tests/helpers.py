@@ -1,0 +1,166 @@
+"""Compare a tigon op with a float64 torch reference, forward and backward.
+
+``check_op`` runs the op on inputs of the dtype under test, the reference on float64 copies of
+the same (already rounded) inputs, and torch eager on the test-dtype inputs. Each output and
+each input gradient must be NaN-free, within ``TOL[dtype]`` of the float64 result (relative
+Frobenius error), and not much worse than eager torch at the same precision.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    DEVICE = "cpu"
+elif torch.cuda.is_available():
+    DEVICE = "cuda"
+else:
+    DEVICE = None
+ON_GPU = DEVICE == "cuda"
+
+
+def _interpreter_rounds_bf16_to_nearest() -> bool:
+    """Triton's interpreter casts fp32 -> bf16 by truncation; the GPU rounds to nearest even.
+
+    Truncation doubles the rounding error of every bf16 output, so kernels tested in the
+    interpreter would look twice as inexact as they are on the GPU. Make the interpreter round
+    like the GPU. Returns False if triton's internals moved (the checks then allow for it).
+    """
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    original = getattr(interpreter, "_convert_float", None)
+    if original is None:
+        return False
+    if getattr(original, "_tigon_rtne", False):
+        return True
+
+    def convert_float(data, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype == tl.bfloat16:
+            bits = np.ascontiguousarray(data, dtype=np.float32).view(np.uint32)
+            rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+            return np.where(nan, np.uint32(0x7FC0), rounded).astype(np.uint16)
+        return original(data, input_dtype, output_dtype, rounding_mode)
+
+    convert_float._tigon_rtne = True
+    interpreter._convert_float = convert_float
+    return True
+
+
+BF16_ROUNDS_TO_NEAREST = ON_GPU or (DEVICE == "cpu" and _interpreter_rounds_bf16_to_nearest())
+
+# Relative error bounds against float64 (no matmul involved: no tf32).
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
+# Below this, being worse than eager torch is rounding noise, not a bug.
+NOISE_FLOOR = {torch.float32: 2e-6, torch.float16: 5e-4, torch.bfloat16: 4e-3}
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def up(x: torch.Tensor) -> torch.Tensor:
+    """x in at least fp32 (float64 stays float64): the 'compute in fp32' of HF's references."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def pick(cpu, gpu):
+    """Small cases in the interpreter, realistic ones on the GPU."""
+    return gpu if ON_GPU else cpu
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out64, ref64 = out.detach().double(), ref.detach().double()
+    if not torch.isfinite(out64).all():
+        return float("inf")
+    denom = ref64.norm().item()
+    num = (out64 - ref64).norm().item()
+    return num / denom if denom > 0 else num
+
+
+def randn(shape, dtype, *, non_contiguous=False, scale=1.0, shift=0.0, requires_grad=False):
+    """Random tensor on DEVICE.
+
+    non_contiguous gives a row-padded view (row stride > last dim), or, for a single row, a
+    view with last-dim stride 2.
+    """
+    shape = tuple(shape)
+    if non_contiguous:
+        wide = shape[:-1] + (shape[-1] + 5,)
+        t = (torch.randn(wide, device=DEVICE, dtype=torch.float32) * scale + shift).to(dtype)[..., : shape[-1]]
+        if t.is_contiguous():
+            wide = shape[:-1] + (2 * shape[-1],)
+            t = (torch.randn(wide, device=DEVICE, dtype=torch.float32) * scale + shift).to(dtype)[..., ::2]
+        assert not t.is_contiguous()
+    else:
+        t = (torch.randn(shape, device=DEVICE, dtype=torch.float32) * scale + shift).to(dtype)
+    return t.requires_grad_(requires_grad)
+
+
+def _as_tuple(x):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _grads(fn, inputs, cotangents):
+    outs = _as_tuple(fn(*inputs))
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    pairs = [(o, c.to(o.dtype)) for o, c in zip(outs, cotangents) if o.requires_grad]
+    grads = torch.autograd.grad([o for o, _ in pairs], leaves, [c for _, c in pairs], allow_unused=True) if pairs else []
+    return outs, grads
+
+
+def _copy_inputs(inputs, dtype=None):
+    copies = []
+    for t in inputs:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            c = t.detach().to(dtype) if dtype is not None else t.detach().clone()
+            copies.append(c.requires_grad_(t.requires_grad))
+        else:
+            copies.append(t)
+    return copies
+
+
+def check_op(fn, ref, inputs, *, dtype, tol=None, what="op", backward=True):
+    """fn(*inputs) vs ref(*float64 copies) vs ref(*inputs) (eager at the test precision).
+
+    Outputs and the gradients of every input with requires_grad=True (under random
+    cotangents, not ones) are compared. Returns the errors, for messages.
+    """
+    tol = tol if tol is not None else TOL[dtype]
+    floor = NOISE_FLOOR[dtype]
+    worse_factor = 2.0 if BF16_ROUNDS_TO_NEAREST or dtype != torch.bfloat16 else 3.0
+    ours_in = _copy_inputs(inputs)
+    ref_in = _copy_inputs(inputs, torch.float64)
+    eager_in = _copy_inputs(inputs)
+    with torch.no_grad():
+        probe = _as_tuple(ref(*_copy_inputs(inputs, torch.float64)))
+    cotangents = [torch.randn(p.shape, device=p.device, dtype=torch.float64) for p in probe]
+    if backward:
+        ours_out, ours_g = _grads(fn, ours_in, cotangents)
+        ref_out, ref_g = _grads(ref, ref_in, cotangents)
+        eager_out, eager_g = _grads(ref, eager_in, cotangents)
+    else:
+        with torch.no_grad():
+            ours_out, ref_out, eager_out = (_as_tuple(f(*i)) for f, i in ((fn, ours_in), (ref, ref_in), (ref, eager_in)))
+        ours_g = ref_g = eager_g = []
+    errors = {}
+    names = [f"output{i}" for i in range(len(ref_out))] + [f"grad{i}" for i in range(len(ref_g))]
+    for name, o, r, e in zip(names, list(ours_out) + list(ours_g), list(ref_out) + list(ref_g),
+                             list(eager_out) + list(eager_g)):
+        if r is None:
+            assert o is None, f"{what}: {name} should have no gradient"
+            continue
+        assert o is not None, f"{what}: {name} is missing"
+        assert o.shape == r.shape, f"{what}: {name} has shape {tuple(o.shape)}, expected {tuple(r.shape)}"
+        assert o.dtype == e.dtype, f"{what}: {name} has dtype {o.dtype}, eager torch gives {e.dtype}"
+        err, eager_err = rel_err(o, r), rel_err(e, r)
+        errors[name] = err
+        assert err <= tol, f"{what}: {name} relative error {err:.3g} > {tol:.3g} (eager torch: {eager_err:.3g})"
+        assert err <= max(worse_factor * eager_err, floor), (
+            f"{what}: {name} relative error {err:.3g} is worse than eager torch's {eager_err:.3g}"
+        )
+    return errors

@@ -1,0 +1,70 @@
+import pytest
+import torch
+
+from tests.helpers import DTYPES, check_op, pick, randn, up
+from tigon import functional as F
+
+SHAPES = pick(cpu=[(2, 3, 37), (5, 1100), (1, 7)], gpu=[(4, 1024, 14336), (8191, 11008), (3, 4099)])
+
+
+def ref_glu(a, b, activation):
+    af = up(a)
+    if activation == "silu":
+        act = torch.nn.functional.silu(af)
+    else:
+        act = torch.nn.functional.gelu(af, approximate="tanh" if activation == "gelu_tanh" else "none")
+    return (act * up(b)).to(a.dtype)
+
+
+def ours(activation):
+    if activation == "silu":
+        return F.swiglu
+    return lambda a, b: F.geglu(a, b, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu_erf"])
+@pytest.mark.parametrize("non_contiguous", [False, True])
+def test_glu_matches_reference(shape, dtype, activation, non_contiguous):
+    a = randn(shape, dtype, scale=3.0, non_contiguous=non_contiguous, requires_grad=True)
+    b = randn(shape, dtype, requires_grad=True)
+    check_op(ours(activation), lambda a, b: ref_glu(a, b, activation), [a, b], dtype=dtype, what=activation)
+
+
+def test_glu_on_halves_of_a_fused_projection():
+    """a and b as the two halves of one gate_up output: strided views, read without a copy."""
+    gate_up = randn(pick((6, 2 * 45), (4096, 2 * 8192)), torch.bfloat16, requires_grad=True)
+    check_op(lambda g: F.swiglu(*g.chunk(2, dim=-1)), lambda g: ref_glu(*g.chunk(2, dim=-1), "silu"),
+             [gate_up], dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_glu_down_proj_matches_reference(dtype, activation, bias):
+    tokens, hidden, inter = pick((2, 5, 24), (2, 1024, 4096))[:2], pick(24, 2048), pick(40, 5632)
+    a = randn((*tokens, inter), dtype, scale=2.0, requires_grad=True)
+    b = randn((*tokens, inter), dtype, requires_grad=True)
+    w = randn((hidden, inter), dtype, scale=inter**-0.5, requires_grad=True)
+    bvec = randn((hidden,), dtype, requires_grad=True) if bias else None
+
+    def ref(a, b, w, bvec):
+        return torch.nn.functional.linear(ref_glu(a, b, activation), w, bvec)
+
+    # The down projection is a matmul: in fp32 it may run in tf32 on the GPU.
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-3
+    check_op(lambda a, b, w, bvec: F.glu_down_proj(a, b, w, bvec, activation), ref, [a, b, w, bvec],
+             dtype=dtype, tol=tol, what=f"glu_down_proj[{activation}]")
+
+
+def test_glu_bad_inputs():
+    a = randn((4, 16), torch.float32)
+    with pytest.raises(ValueError, match="b has shape"):
+        F.swiglu(a, randn((4, 15), torch.float32))
+    with pytest.raises(TypeError, match="b has dtype"):
+        F.swiglu(a, randn((4, 16), torch.bfloat16))
+    with pytest.raises(ValueError, match="approximate"):
+        F.geglu(a, a, approximate="sigmoid")
+    with pytest.raises(ValueError, match="down_weight"):
+        F.glu_down_proj(a, a, randn((8, 15), torch.float32))

@@ -1,0 +1,116 @@
+import pytest
+import torch
+
+from tests.helpers import DTYPES, check_op, pick, randn
+from tigon import functional as F
+
+# (batch, q heads, kv heads, tokens, head dim)
+SHAPES = pick(
+    cpu=[(2, 4, 2, 5, 16), (1, 3, 3, 7, 12), (2, 6, 1, 3, 64)],
+    gpu=[(4, 32, 8, 2048, 128), (2, 28, 4, 1000, 128), (1, 24, 8, 513, 96), (2, 8, 1, 4096, 256)],
+)
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def ref_rope(q, k, cos, sin, unsqueeze_dim=1):
+    """HF's apply_rotary_pos_emb, with Phi-3's partial rotary (rotate the first cos.shape[-1] dims)."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    rot = cos.shape[-1]
+    out = []
+    for x in (q, k):
+        x_rot, x_pass = x[..., :rot], x[..., rot:]
+        out.append(torch.cat(((x_rot * cos) + (rotate_half(x_rot) * sin), x_pass), dim=-1))
+    return tuple(out)
+
+
+def hf_cos_sin(batch, tokens, rot, dtype, per_sequence=False, base=10000.0):
+    """cos, sin [B|1, T, R] as HF's rotary embedding makes them (duplicated halves)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
+    pos = torch.arange(tokens, dtype=torch.float64)[None].repeat(batch if per_sequence else 1, 1)
+    if per_sequence:
+        pos = pos + torch.arange(batch, dtype=torch.float64)[:, None] * 3
+    freqs = pos[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    from tests.helpers import DEVICE
+    return emb.cos().to(dtype).to(DEVICE), emb.sin().to(dtype).to(DEVICE)
+
+
+def make_qk(shape, dtype, layout, non_contiguous):
+    batch, hq, hk, tokens, dim = shape
+    if layout == "bhtd" and non_contiguous:
+        # HF's layout: projection output [B, T, H*D] viewed [B, T, H, D] and transposed.
+        q = randn((batch, tokens, hq, dim), dtype).transpose(1, 2).detach().requires_grad_()
+        k = randn((batch, tokens, hk, dim), dtype).transpose(1, 2).detach().requires_grad_()
+        return q, k
+    if layout == "bhtd":
+        return (randn((batch, hq, tokens, dim), dtype, requires_grad=True),
+                randn((batch, hk, tokens, dim), dtype, requires_grad=True))
+    return (randn((batch, tokens, hq, dim), dtype, non_contiguous=non_contiguous, requires_grad=True),
+            randn((batch, tokens, hk, dim), dtype, non_contiguous=non_contiguous, requires_grad=True))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
+@pytest.mark.parametrize("non_contiguous", [False, True])
+def test_rope_matches_hf(shape, dtype, layout, non_contiguous):
+    q, k = make_qk(shape, dtype, layout, non_contiguous)
+    assert q.is_contiguous() != non_contiguous
+    unsqueeze_dim = 1 if layout == "bhtd" else 2
+    cos, sin = hf_cos_sin(shape[0], shape[3], shape[4], dtype)
+    check_op(lambda q, k: F.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim),
+             lambda q, k: ref_rope(q, k, cos.to(q.dtype), sin.to(q.dtype), unsqueeze_dim),
+             [q, k], dtype=dtype, what=f"rope[{layout}]")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_per_sequence_cos_and_partial_rotary(dtype):
+    """cos of batch B (one row of positions per sequence), and R < D (Phi-3's partial rotary)."""
+    batch, hq, hk, tokens, dim = pick((3, 4, 2, 6, 20), (4, 32, 8, 1024, 96))
+    rot = dim // 2 if dim % 4 == 0 else dim - 4
+    q, k = make_qk((batch, hq, hk, tokens, dim), dtype, "bhtd", True)
+    cos, sin = hf_cos_sin(batch, tokens, rot, dtype, per_sequence=True)
+    check_op(lambda q, k: F.apply_rotary_pos_emb(q, k, cos, sin),
+             lambda q, k: ref_rope(q, k, cos.to(q.dtype), sin.to(q.dtype)), [q, k], dtype=dtype)
+
+
+def test_rope_unequal_halves_of_cos_sin():
+    """Arbitrary cos / sin (halves differ): the backward is the true transpose, not a sign flip."""
+    batch, hq, hk, tokens, dim = 2, 3, 1, 5, 8
+    q, k = make_qk((batch, hq, hk, tokens, dim), torch.float32, "bhtd", False)
+    cos = randn((1, tokens, dim), torch.float32)
+    sin = randn((1, tokens, dim), torch.float32)
+    check_op(lambda q, k: F.apply_rotary_pos_emb(q, k, cos, sin), lambda q, k: ref_rope(q, k, cos, sin),
+             [q, k], dtype=torch.float32)
+
+
+@pytest.mark.parametrize("pos_batch", [1, 2])
+def test_rope_position_ids_gather_from_table(pos_batch):
+    batch, hq, hk, tokens, dim, table = 2, 4, 2, 6, 16, 40
+    q, k = make_qk((batch, hq, hk, tokens, dim), torch.float32, "bhtd", True)
+    cos_t, sin_t = hf_cos_sin(1, table, dim, torch.float32)
+    pos = torch.randint(0, table, (pos_batch, tokens), device=q.device)
+    cos, sin = cos_t[0][pos], sin_t[0][pos]  # [pos_batch, T, D], what the kernel gathers
+    check_op(lambda q, k: F.apply_rotary_pos_emb(q, k, cos_t, sin_t, position_ids=pos),
+             lambda q, k: ref_rope(q, k, cos, sin), [q, k], dtype=torch.float32)
+
+
+def test_rope_bad_inputs():
+    q, k = make_qk((2, 4, 2, 5, 16), torch.float32, "bhtd", False)
+    cos, sin = hf_cos_sin(1, 5, 16, torch.float32)
+    with pytest.raises(ValueError, match="k has shape"):
+        F.apply_rotary_pos_emb(q, k[:, :, :4], cos, sin)
+    with pytest.raises(ValueError, match="cos has 5 positions but q has 4 tokens"):
+        F.apply_rotary_pos_emb(q[:, :, :4], k[:, :, :4], cos, sin)
+    with pytest.raises(ValueError, match="must be even"):
+        F.apply_rotary_pos_emb(q, k, cos[..., :15], sin[..., :15])
+    with pytest.raises(ValueError, match="unsqueeze_dim"):
+        F.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=3)
+    with pytest.raises(ValueError, match="position_ids range"):
+        F.apply_rotary_pos_emb(q, k, cos[0], sin[0], position_ids=torch.full((1, 5), 9, device=q.device))
+    with pytest.raises(ValueError, match="require grad"):
+        F.apply_rotary_pos_emb(q, k, cos.clone().requires_grad_(), sin)
