@@ -164,3 +164,22 @@ def check_op(fn, ref, inputs, *, dtype, tol=None, what="op", backward=True):
             f"{what}: {name} relative error {err:.3g} is worse than eager torch's {eager_err:.3g}"
         )
     return errors
+
+
+def check_module(ours, theirs, inputs, *, dtype, tol=None, what="module"):
+    """Our module (theirs' weights loaded) vs theirs, as functions of (inputs..., parameters...).
+
+    Gradients of the inputs that require grad and of every parameter are compared.
+    """
+    from torch.func import functional_call
+
+    ours.load_state_dict(theirs.state_dict())
+    names = [n for n, _ in theirs.named_parameters()]
+    params = [p.detach().to(device=DEVICE, dtype=dtype).requires_grad_(True) for _, p in theirs.named_parameters()]
+    ours, theirs = ours.to(DEVICE), theirs.to(DEVICE)
+    n_in = len(inputs)
+
+    def call(module):
+        return lambda *args: functional_call(module, dict(zip(names, args[n_in:])), tuple(args[:n_in]))
+
+    return check_op(call(ours), call(theirs), [*inputs, *params], dtype=dtype, tol=tol, what=what)

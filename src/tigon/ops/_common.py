@@ -128,5 +128,5 @@ def persistent_programs(device: torch.device, n_tasks: int, per_sm: int = 2) -> 
         index = device.index if device.index is not None else torch.cuda.current_device()
         limit = _multiprocessor_count(index) * per_sm
     else:
-        limit = 3  # small, so the interpreter exercises programs that loop over several tasks
+        limit = 2  # small, so the interpreter exercises programs that loop over several tasks
     return max(1, min(limit, n_tasks))

@@ -1,0 +1,131 @@
+"""Time and memory of one implementation of one op, and the GPU's two ceilings.
+
+Every implementation is measured the same way: median of CUDA-event timings
+(``triton.testing.do_bench``, which flushes L2 between repeats, warm-up excluded) of the
+forward, the backward (graph retained) and forward+backward; and the peak memory allocated
+during one forward+backward above what was allocated before it (inputs excluded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Row:
+    op: str
+    shape: str
+    impl: str
+    dtype: str
+    fwd_ms: float | None = None
+    bwd_ms: float | None = None
+    full_ms: float | None = None
+    peak_mb: float | None = None
+    bytes_full: int | None = None  # fewest bytes fwd+bwd must move (each input read once, output written once)
+    flops_full: int | None = None
+    gbps: float | None = None  # bytes_full / full_ms
+    tflops: float | None = None
+    frac_of_limit: float | None = None  # of the measured copy bandwidth (or matmul rate for flops-bound ops)
+    error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self):
+        return asdict(self)
+
+
+def _outputs(out):
+    return [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
+
+
+def _bench(fn, grad_to_none=None):
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median"))
+
+
+def measure(fn: Callable, inputs: list, row: Row, limits: dict | None = None) -> Row:
+    """Fill row with fwd / bwd / full ms and peak MB of fn(*inputs) on the current CUDA device."""
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    try:
+        outs = [o for o in _outputs(fn(*inputs)) if o.requires_grad]
+        cotangents = [torch.randn_like(o) for o in outs]
+
+        def full():
+            torch.autograd.backward([o for o in _outputs(fn(*inputs)) if o.requires_grad], cotangents)
+
+        row.fwd_ms = _bench(lambda: fn(*inputs))
+        row.full_ms = _bench(full, grad_to_none=leaves)
+        try:
+            outs = [o for o in _outputs(fn(*inputs)) if o.requires_grad]
+            row.bwd_ms = _bench(lambda: torch.autograd.backward(outs, cotangents, retain_graph=True),
+                                grad_to_none=leaves)
+        except RuntimeError:  # some compiled graphs refuse a retained second backward
+            row.bwd_ms = row.full_ms - row.fwd_ms
+        del outs
+        for t in leaves:
+            t.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        full()
+        torch.cuda.synchronize()
+        row.peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
+        for t in leaves:
+            t.grad = None
+    except Exception as exc:  # a peer that fails on a shape is reported, not fatal
+        row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        return row
+    if row.bytes_full and row.full_ms:
+        row.gbps = row.bytes_full / row.full_ms / 1e6
+        if limits and limits.get("copy_gbps"):
+            row.frac_of_limit = row.gbps / limits["copy_gbps"]
+    if row.flops_full and row.full_ms:
+        row.tflops = row.flops_full / row.full_ms / 1e9
+        if limits and limits.get("matmul_tflops"):
+            row.frac_of_limit = row.tflops / limits["matmul_tflops"]
+    return row
+
+
+def measure_limits(device="cuda") -> dict:
+    """The two ceilings, measured: device copy bandwidth (bytes read + written) and bf16 matmul rate."""
+    n = 2**30  # 2 GiB of bf16 each way: far past L2
+    src = torch.randn(n, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_ms = _bench(lambda: dst.copy_(src))
+    del src, dst
+    m = 8192
+    a = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+    b = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+    mm_ms = _bench(lambda: a @ b)
+    del a, b
+    torch.cuda.empty_cache()
+    return {
+        "copy_gbps": 2 * n * 2 / copy_ms / 1e6,
+        "matmul_tflops": 2 * m**3 / mm_ms / 1e9,
+        "gpu": torch.cuda.get_device_name(),
+    }
+
+
+def markdown_table(rows: list[Row]) -> str:
+    """One line per (op, shape, impl); speed-up relative to torch eager of the same op and shape."""
+    eager = {(r.op, r.shape): r.full_ms for r in rows if r.impl == "torch eager" and r.full_ms}
+    lines = [
+        "| op | shape | impl | fwd ms | bwd ms | fwd+bwd ms | vs eager | peak MB | achieved | of limit |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.error:
+            lines.append(f"| {r.op} | {r.shape} | {r.impl} | failed: {r.error} | | | | | | |")
+            continue
+        base = eager.get((r.op, r.shape))
+        speed = f"{base / r.full_ms:.2f}x" if base and r.full_ms else ""
+        achieved = f"{r.gbps:.0f} GB/s" if r.gbps else (f"{r.tflops:.0f} TFLOP/s" if r.tflops else "")
+        frac = f"{100 * r.frac_of_limit:.0f}%" if r.frac_of_limit else ""
+        lines.append(
+            f"| {r.op} | {r.shape} | {r.impl} | {r.fwd_ms:.3f} | {r.bwd_ms:.3f} | {r.full_ms:.3f} | {speed} "
+            f"| {r.peak_mb:.0f} | {achieved} | {frac} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,116 @@
+import pytest
+import torch
+
+from tests.helpers import DEVICE, DTYPES, check_module, check_op, pick, randn
+from tests.ops.test_fused_add_rms_norm import ref_fused_add_rms_norm
+from tigon import functional as F
+from tigon.nn import TigonFusedAddRMSNorm, TigonGeGLUMLP, TigonLayerNorm, TigonRMSNorm, TigonSwiGLUMLP
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.gemma import modeling_gemma  # noqa: E402
+from transformers.models.llama import modeling_llama  # noqa: E402
+
+HIDDEN = pick(48, 2048)
+TOKENS = pick((2, 5), (4, 1024))
+# Matmuls inside the MLPs: the fp32 case may run at tf32 precision on the GPU.
+MLP_TOL = {torch.float32: 1e-3, torch.bfloat16: 1.5e-2}
+
+
+def llama_config(**kw):
+    base = dict(hidden_size=HIDDEN, intermediate_size=pick(40, 5632), num_attention_heads=4,
+                num_key_value_heads=2, num_hidden_layers=1, vocab_size=64)
+    base.update(kw)
+    return modeling_llama.LlamaConfig(**base)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_module_matches_hf_llama(dtype):
+    theirs = modeling_llama.LlamaRMSNorm(HIDDEN, eps=1e-5)
+    with torch.no_grad():
+        theirs.weight.normal_(1.0, 0.1)
+    x = randn((*TOKENS, HIDDEN), dtype, requires_grad=True)
+    check_module(TigonRMSNorm(HIDDEN, eps=1e-5), theirs, [x], dtype=dtype, what="TigonRMSNorm vs LlamaRMSNorm")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_module_matches_hf_gemma(dtype):
+    theirs = modeling_gemma.GemmaRMSNorm(HIDDEN, eps=1e-6)
+    with torch.no_grad():
+        theirs.weight.normal_(0.0, 0.1)
+    x = randn((*TOKENS, HIDDEN), dtype, requires_grad=True)
+    ours = TigonRMSNorm(HIDDEN, eps=1e-6, offset=1.0, casting="gemma")
+    check_module(ours, theirs, [x], dtype=dtype, what="TigonRMSNorm vs GemmaRMSNorm")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_norm_module_matches_torch(dtype):
+    theirs = torch.nn.LayerNorm(HIDDEN)
+    with torch.no_grad():
+        theirs.weight.normal_(1.0, 0.1)
+        theirs.bias.normal_(0.0, 0.1)
+    x = randn((*TOKENS, HIDDEN), dtype, shift=3.0, requires_grad=True)
+    check_module(TigonLayerNorm(HIDDEN), theirs, [x], dtype=dtype, what="TigonLayerNorm vs nn.LayerNorm")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mlp_bias", [False, True])
+def test_swiglu_mlp_matches_hf_llama(dtype, mlp_bias):
+    config = llama_config(mlp_bias=mlp_bias)
+    theirs = modeling_llama.LlamaMLP(config)
+    x = randn((*TOKENS, HIDDEN), dtype, requires_grad=True)
+    check_module(TigonSwiGLUMLP(config), theirs, [x], dtype=dtype, tol=MLP_TOL[dtype],
+                 what="TigonSwiGLUMLP vs LlamaMLP")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_geglu_mlp_matches_hf_gemma(dtype):
+    config = modeling_gemma.GemmaConfig(hidden_size=HIDDEN, intermediate_size=pick(40, 5632), num_attention_heads=4,
+                                        num_key_value_heads=1, head_dim=16, num_hidden_layers=1, vocab_size=64,
+                                        hidden_activation="gelu_pytorch_tanh")
+    theirs = modeling_gemma.GemmaMLP(config)
+    x = randn((*TOKENS, HIDDEN), dtype, requires_grad=True)
+    ours = TigonGeGLUMLP(config)
+    assert ours.activation == "gelu_tanh"
+    check_module(ours, theirs, [x], dtype=dtype, tol=MLP_TOL[dtype], what="TigonGeGLUMLP vs GemmaMLP")
+
+
+def test_mlp_refuses_a_config_with_another_activation():
+    with pytest.raises(ValueError, match="TigonSwiGLUMLP computes SiLU"):
+        TigonSwiGLUMLP(llama_config(hidden_act="gelu"))
+    with pytest.raises(ValueError, match="TigonGeGLUMLP computes GELU"):
+        TigonGeGLUMLP(llama_config(hidden_act="silu"))
+    exact = TigonGeGLUMLP(llama_config(hidden_act="gelu"))
+    assert exact.activation == "gelu_erf"
+    assert "TigonSwiGLUMLP" in repr(TigonSwiGLUMLP(hidden_size=8, intermediate_size=16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_module(dtype):
+    module = TigonFusedAddRMSNorm(HIDDEN, eps=1e-5).to(DEVICE)
+    x = randn((*TOKENS, HIDDEN), dtype, requires_grad=True)
+    r = randn((*TOKENS, HIDDEN), dtype, requires_grad=True)
+    w = randn((HIDDEN,), dtype, shift=1.0, requires_grad=True)
+    with torch.no_grad():
+        module.weight.data = w.detach().clone()
+    y, s = module(x, r)
+    ref_y, ref_s = ref_fused_add_rms_norm(x.detach(), r.detach(), w.detach(), eps=1e-5)
+    assert torch.equal(s, ref_s)
+    check_op(lambda x, r, w: F.fused_add_rms_norm(x, r, w, eps=1e-5),
+             lambda x, r, w: ref_fused_add_rms_norm(x, r, w, eps=1e-5), [x, r, w], dtype=dtype)
+    assert torch.allclose(y.float(), ref_y.float(), atol=5e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_matches_hf_with_hf_rotary_embedding(dtype):
+    config = llama_config(max_position_embeddings=256)
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, HIDDEN // 4
+    batch, tokens = TOKENS
+    rotary = modeling_llama.LlamaRotaryEmbedding(config).to(DEVICE)
+    x = torch.zeros(batch, tokens, HIDDEN, device=DEVICE, dtype=dtype)
+    position_ids = torch.arange(tokens, device=DEVICE)[None].expand(batch, -1)
+    cos, sin = rotary(x, position_ids)
+    q = randn((batch, tokens, heads, head_dim), dtype).transpose(1, 2).requires_grad_()
+    k = randn((batch, tokens, kv_heads, head_dim), dtype).transpose(1, 2).requires_grad_()
+    check_op(lambda q, k: F.apply_rotary_pos_emb(q, k, cos, sin),
+             lambda q, k: modeling_llama.apply_rotary_pos_emb(q, k, cos.to(q.dtype), sin.to(q.dtype)),
+             [q, k], dtype=dtype, what="rope vs HF apply_rotary_pos_emb")
