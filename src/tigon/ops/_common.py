@@ -59,11 +59,11 @@ def check_tensor(name: str, t, *, ndim=None, min_ndim=None, floating=True) -> No
     if t.device.type == "cpu" and interpreter_enabled():
         return
     if t.device.type == "cpu":
-        raise RuntimeError(
+        raise ValueError(
             f"{name} is on the CPU: tigon kernels run on CUDA tensors, or on CPU tensors only under "
             "the Triton interpreter (set TRITON_INTERPRET=1 before importing triton)"
         )
-    raise RuntimeError(f"{name} is on device {t.device}; tigon kernels run on CUDA tensors")
+    raise ValueError(f"{name} is on device {t.device}; tigon kernels run on CUDA tensors")
 
 
 def check_same_device(**tensors) -> None:

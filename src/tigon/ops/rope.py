@@ -18,19 +18,27 @@ from tigon.ops._common import check_same_device, check_same_dtype, check_tensor,
 
 
 @triton.jit
-def rope_rotate_heads(
-    X, sxb, sxh, sxt, Y, syb, syh, syt, b, t, n_heads, head_dim, half_rot,
-    c1, c2, s1, s2,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_PASS: tl.constexpr,
-):
-    """Rotate all heads of token (b, t): y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2; copy the rest."""
+def rope_load_heads(X, sxb, sxh, sxt, b, t, n_heads, half_rot, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The two rotated halves [BLOCK_H, BLOCK_D] (fp32) of every head of token (b, t)."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     mask = (h[:, None] < n_heads) & (d[None, :] < half_rot)
-    x_base = X + b * sxb + t * sxt + h[:, None] * sxh
+    base = X + b * sxb + t * sxt + h[:, None] * sxh + d[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + half_rot, mask=mask, other=0.0).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def rope_store_heads(
+    X, sxb, sxh, sxt, Y, syb, syh, syt, b, t, n_heads, head_dim, half_rot, x1, x2, c1, c2, s1, s2,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_PASS: tl.constexpr,
+):
+    """y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2; dims past the rotated part are copied from X."""
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < n_heads) & (d[None, :] < half_rot)
     y_base = Y + b * syb + t * syt + h[:, None] * syh
-    x1 = tl.load(x_base + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_base + half_rot + d[None, :], mask=mask, other=0.0).to(tl.float32)
     y1 = x1 * c1[None, :] - x2 * s1[None, :]
     y2 = x2 * c2[None, :] + x1 * s2[None, :]
     tl.store(y_base + d[None, :], y1.to(Y.dtype.element_ty), mask=mask)
@@ -38,6 +46,7 @@ def rope_rotate_heads(
     if BLOCK_PASS > 0:
         p = 2 * half_rot + tl.arange(0, BLOCK_PASS)
         pass_mask = (h[:, None] < n_heads) & (p[None, :] < head_dim)
+        x_base = X + b * sxb + t * sxt + h[:, None] * sxh
         tl.store(y_base + p[None, :], tl.load(x_base + p[None, :], mask=pass_mask), mask=pass_mask)
 
 
@@ -51,6 +60,7 @@ def rope_kernel(
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_PASS: tl.constexpr,
 ):
     """One program per token (b, t): loads its cos/sin row once and rotates every q and k head.
+    All loads are issued before the first store (the compiler may not move loads past stores).
 
     The backward is the transpose: dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1, i.e. the
     forward with (s1, s2) replaced by (-s2, -s1).
@@ -71,10 +81,12 @@ def rope_kernel(
     s2 = tl.load(SIN + cs_offset + half_rot + d, mask=dm, other=0.0).to(tl.float32)
     if BACKWARD:
         s1, s2 = -s2, -s1
-    rope_rotate_heads(Q, sqb, sqh, sqt, QO, sqob, sqoh, sqot, b, t, n_q_heads, head_dim, half_rot,
-                      c1, c2, s1, s2, BLOCK_HQ, BLOCK_D, BLOCK_PASS)
-    rope_rotate_heads(K, skb, skh, skt, KO, skob, skoh, skot, b, t, n_k_heads, head_dim, half_rot,
-                      c1, c2, s1, s2, BLOCK_HK, BLOCK_D, BLOCK_PASS)
+    q1, q2 = rope_load_heads(Q, sqb, sqh, sqt, b, t, n_q_heads, half_rot, BLOCK_HQ, BLOCK_D)
+    k1, k2 = rope_load_heads(K, skb, skh, skt, b, t, n_k_heads, half_rot, BLOCK_HK, BLOCK_D)
+    rope_store_heads(Q, sqb, sqh, sqt, QO, sqob, sqoh, sqot, b, t, n_q_heads, head_dim, half_rot,
+                     q1, q2, c1, c2, s1, s2, BLOCK_HQ, BLOCK_D, BLOCK_PASS)
+    rope_store_heads(K, skb, skh, skt, KO, skob, skoh, skot, b, t, n_k_heads, head_dim, half_rot,
+                     k1, k2, c1, c2, s1, s2, BLOCK_HK, BLOCK_D, BLOCK_PASS)
 
 
 def _bhtd_strides(x, unsqueeze_dim):
@@ -88,7 +100,7 @@ def _unit_last_stride(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def rope_apply(q, k, cos, sin, position_ids, unsqueeze_dim, backward):
+def rope_apply(q, k, cos, sin, position_ids, unsqueeze_dim, backward, num_warps=None):
     """Launch the kernel on checked inputs; returns new (q_out, k_out) with q's and k's layouts."""
     q, k = _unit_last_stride(q), _unit_last_stride(k)
     h_axis, t_axis = (1, 2) if unsqueeze_dim == 1 else (2, 1)
@@ -123,7 +135,7 @@ def rope_apply(q, k, cos, sin, position_ids, unsqueeze_dim, backward):
             HAS_POS=position_ids is not None, BACKWARD=backward,
             BLOCK_HQ=triton.next_power_of_2(n_q_heads), BLOCK_HK=triton.next_power_of_2(n_k_heads),
             BLOCK_D=block_d, BLOCK_PASS=block_pass,
-            num_warps=4 if (n_q_heads + n_k_heads) * head_dim <= 4096 else 8,
+            num_warps=num_warps or (4 if (n_q_heads + n_k_heads) * head_dim <= 4096 else 8),
         )
     return q_out, k_out
 
