@@ -135,8 +135,8 @@ def host_overhead(results):
     y = torch.empty_like(x)
     rstd = torch.empty(64, device="cuda", dtype=torch.float32)
     g = torch.randn_like(x)
-    q = torch.randn(1, 16, 32, 128, device="cuda", dtype=DT, requires_grad=True)
-    k = torch.randn(1, 16, 8, 128, device="cuda", dtype=DT, requires_grad=True)
+    q = torch.randn(1, 32, 16, 128, device="cuda", dtype=DT, requires_grad=True)
+    k = torch.randn(1, 8, 16, 128, device="cuda", dtype=DT, requires_grad=True)
     cos = torch.randn(1, 16, 128, device="cuda", dtype=DT)
 
     def per_call(fn, n=300):
