@@ -41,9 +41,18 @@ def _outputs(out):
 
 
 def _bench(fn, grad_to_none=None):
+    """Median ms; at least ~30 timed repeats however long one call is."""
     from triton.testing import do_bench
 
-    return float(do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median"))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = start.elapsed_time(end)
+    return float(do_bench(fn, warmup=max(25, 3 * estimate), rep=max(100, 30 * estimate),
+                          grad_to_none=grad_to_none, return_mode="median"))
 
 
 def measure(fn: Callable, inputs: list, row: Row, limits: dict | None = None) -> Row:

@@ -15,9 +15,13 @@ from tigon.ops._common import as_rows, check_same_device, check_same_dtype, chec
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu_erf": 2}
 
-# Columns per program: 16-byte vectors across 4 warps, several in flight per thread.
-GLU_BLOCK = 1024
-GLU_WARPS = 4
+
+def glu_launch_config(n_cols: int) -> tuple[int, int]:
+    """(columns per program, warps). On an H100 (benchmarks/tune_kernels.py, bf16) blocks of
+    4096 with 16 warps ran at 94-98% of copy bandwidth for I of 11008 and 14336; short rows
+    take one block of the row's size with a warp per 256 elements."""
+    block = min(4096, triton.next_power_of_2(n_cols))
+    return block, max(2, min(16, block // 256))
 
 
 @triton.jit
@@ -74,10 +78,6 @@ def glu_backward_kernel(
     tl.store(DB + row * stride_db + cols, (dc * act).to(DB.dtype.element_ty), mask=mask)
 
 
-def _grid(n_rows, n_cols):
-    return (n_rows, triton.cdiv(n_cols, GLU_BLOCK))
-
-
 def check_glu_args(a, b, activation):
     check_tensor("a", a, min_ndim=1)
     check_tensor("b", b, min_ndim=1)
@@ -94,9 +94,10 @@ def glu_forward(a2, b2, activation, out=None):
     n_rows, n_cols = a2.shape
     c = out if out is not None else new_output((n_rows, n_cols), a2.dtype, a2.device)
     if a2.numel():
-        glu_forward_kernel[_grid(n_rows, n_cols)](
+        block, num_warps = glu_launch_config(n_cols)
+        glu_forward_kernel[(n_rows, triton.cdiv(n_cols, block))](
             a2, a2.stride(0), b2, b2.stride(0), c, c.stride(0), n_cols,
-            ACTIVATION=ACTIVATIONS[activation], BLOCK=GLU_BLOCK, num_warps=GLU_WARPS,
+            ACTIVATION=ACTIVATIONS[activation], BLOCK=block, num_warps=num_warps,
         )
     return c
 
@@ -107,10 +108,11 @@ def glu_backward(dc2, a2, b2, activation, da_out=None, db_out=None):
     da = da_out if da_out is not None else new_output((n_rows, n_cols), a2.dtype, a2.device)
     db = db_out if db_out is not None else new_output((n_rows, n_cols), a2.dtype, a2.device)
     if a2.numel():
-        glu_backward_kernel[_grid(n_rows, n_cols)](
+        block, num_warps = glu_launch_config(n_cols)
+        glu_backward_kernel[(n_rows, triton.cdiv(n_cols, block))](
             dc2, dc2.stride(0), a2, a2.stride(0), b2, b2.stride(0),
             da, da.stride(0), db, db.stride(0), n_cols,
-            ACTIVATION=ACTIVATIONS[activation], BLOCK=GLU_BLOCK, num_warps=GLU_WARPS,
+            ACTIVATION=ACTIVATIONS[activation], BLOCK=block, num_warps=num_warps,
         )
     return da, db
 

@@ -107,7 +107,7 @@ class LayerNormFunction(torch.autograd.Function):
         check_layer_norm_args(x, weight, bias)
         x2 = as_rows(x)
         n_rows, n_cols = x2.shape
-        block_m, block_n, num_warps = row_block_config(n_cols)
+        block_m, block_n, num_warps, _ = row_block_config(n_cols)
         y = new_output((n_rows, n_cols), x.dtype, x.device)
         mean = new_output((n_rows,), torch.float32, x.device)
         rstd = new_output((n_rows,), torch.float32, x.device)
@@ -129,11 +129,11 @@ class LayerNormFunction(torch.autograd.Function):
         x2, weight, mean, rstd = ctx.saved_tensors
         dy2 = as_rows(dy)
         n_rows, n_cols = x2.shape
-        block_m, block_n, num_warps = row_block_config(n_cols)
+        block_m, block_n, num_warps, per_sm = row_block_config(n_cols, backward=True)
         compute_dw = weight is not None and ctx.needs_input_grad[1]
         compute_db = ctx.has_bias and ctx.needs_input_grad[2]
         dx = new_output((n_rows, n_cols), x2.dtype, x2.device)
-        n_programs = persistent_programs(x2.device, triton.cdiv(n_rows, block_m))
+        n_programs = persistent_programs(x2.device, triton.cdiv(n_rows, block_m), per_sm)
         dw_partial = new_output((n_programs, n_cols), torch.float32, x2.device) if compute_dw else None
         db_partial = new_output((n_programs, n_cols), torch.float32, x2.device) if compute_db else None
         if n_rows:

@@ -97,7 +97,7 @@ def rms_norm_backward_kernel(
 def rms_norm_forward(x2, weight, eps, offset, casting, residual2=None):
     """x2 [M, N] (unit last stride), weight [N] -> (y [M, N], rstd fp32 [M], s [M, N] or None)."""
     n_rows, n_cols = x2.shape
-    block_m, block_n, num_warps = row_block_config(n_cols)
+    block_m, block_n, num_warps, _ = row_block_config(n_cols)
     out_dtype = torch.promote_types(x2.dtype, weight.dtype) if casting == "llama" else x2.dtype
     y = new_output((n_rows, n_cols), out_dtype, x2.device)
     rstd = new_output((n_rows,), torch.float32, x2.device)
@@ -122,12 +122,12 @@ def rms_norm_backward(dy2, x2, weight, rstd, offset, casting, compute_dw, in_pla
     gradient arriving on s directly, added to dx. in_place writes dx over dy2.
     """
     n_rows, n_cols = x2.shape
-    block_m, block_n, num_warps = row_block_config(n_cols)
+    block_m, block_n, num_warps, per_sm = row_block_config(n_cols, backward=True)
     if in_place and dy2.dtype == x2.dtype and dy2.stride(-1) == 1:
         dx = dy2
     else:
         dx = new_output((n_rows, n_cols), x2.dtype, x2.device)
-    n_programs = persistent_programs(x2.device, triton.cdiv(n_rows, block_m))
+    n_programs = persistent_programs(x2.device, triton.cdiv(n_rows, block_m), per_sm)
     dw_partial = new_output((n_programs, n_cols), torch.float32, x2.device) if compute_dw else None
     if n_rows:
         rms_norm_backward_kernel[(n_programs,)](
