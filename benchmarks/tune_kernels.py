@@ -100,13 +100,14 @@ def sweep_glu(results, bw):
             for warps in (2, 4, 8, 16):
                 if warps * 32 * 4 > block:
                     continue
-                grid = (m, triton.cdiv(n, block))
+                grid = (m * triton.cdiv(n, block),)
                 t = bench(lambda: glu_ops.glu_forward_kernel[grid](
-                    a, n, b, n, c, n, n, ACTIVATION=0, BLOCK=block, num_warps=warps))
+                    a, n, b, n, c, n, n, triton.cdiv(n, block), ACTIVATION=0, BLOCK=block, num_warps=warps))
                 results.append(dict(kernel="glu_fwd", m=m, n=n, block=block, warps=warps, ms=t,
                                     frac=3 * m * n * 2 / bw / 1e6 / t))
                 t = bench(lambda: glu_ops.glu_backward_kernel[grid](
-                    c, n, a, n, b, n, da, n, db, n, n, ACTIVATION=0, BLOCK=block, num_warps=warps))
+                    c, n, a, n, b, n, da, n, db, n, n, triton.cdiv(n, block),
+                    ACTIVATION=0, BLOCK=block, num_warps=warps))
                 results.append(dict(kernel="glu_bwd", m=m, n=n, block=block, warps=warps, ms=t,
                                     frac=5 * m * n * 2 / bw / 1e6 / t))
         print(f"glu {m}x{n} done", file=sys.stderr, flush=True)

@@ -4,7 +4,13 @@ import torch
 from tests.helpers import DEVICE, DTYPES, check_module, check_op, pick, randn
 from tests.ops.test_fused_add_rms_norm import ref_fused_add_rms_norm
 from tigon import functional as F
-from tigon.nn import TigonFusedAddRMSNorm, TigonGeGLUMLP, TigonLayerNorm, TigonRMSNorm, TigonSwiGLUMLP
+from tigon.nn import (
+    TigonFusedAddRMSNorm,
+    TigonGeGLUMLP,
+    TigonLayerNorm,
+    TigonRMSNorm,
+    TigonSwiGLUMLP,
+)
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.gemma import modeling_gemma  # noqa: E402

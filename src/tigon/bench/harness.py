@@ -96,7 +96,7 @@ def measure(fn: Callable, inputs: list, row: Row, limits: dict | None = None) ->
                                 grad_to_none=leaves)
         except RuntimeError:  # some compiled graphs refuse a retained second backward
             row.bwd_ms = row.full_ms - row.fwd_ms
-        del outs
+        outs = None  # release the retained graph
         for t in leaves:
             t.grad = None
         torch.cuda.synchronize()
@@ -139,12 +139,12 @@ def measure_limits(device="cuda") -> dict:
     src = torch.randn(n, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     copy_ms = _bench(lambda: dst.copy_(src))
-    del src, dst
+    src = dst = None
     m = 8192
     a = torch.randn(m, m, device=device, dtype=torch.bfloat16)
     b = torch.randn(m, m, device=device, dtype=torch.bfloat16)
     mm_ms = _bench(lambda: a @ b)
-    del a, b
+    a = b = None
     torch.cuda.empty_cache()
     return {
         "copy_gbps": 2 * n * 2 / copy_ms / 1e6,

@@ -12,7 +12,6 @@ import os
 from typing import NamedTuple
 
 import torch
-import triton
 
 # When set (the test suite sets it), every output buffer starts as NaN instead of
 # uninitialised memory, so an element a kernel forgot to write fails the comparison.
@@ -25,8 +24,22 @@ def set_poison_outputs(enabled: bool) -> None:
     _POISON_OUTPUTS = bool(enabled)
 
 
+# Triton reads TRITON_INTERPRET when it decorates the kernels (at tigon's import), so it is
+# read once here too.
+_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _INTERPRETER
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1); plain Python, cheaper per call than triton's."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -113,7 +126,7 @@ def row_block_config(n_cols: int, backward: bool = False, name: str = "hidden si
     programs an SM (78-89%); for longer rows ~16K elements a step, 16 warps, 2 programs an SM
     (88-91%), against 55-60% for the forward's shape.
     """
-    block_n = triton.next_power_of_2(n_cols)
+    block_n = next_pow2(n_cols)
     if block_n > MAX_FUSED_ROW:
         raise ValueError(f"{name} {n_cols} is larger than the supported maximum {MAX_FUSED_ROW}")
     if not backward:

@@ -11,17 +11,34 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import as_rows, check_same_device, check_same_dtype, check_tensor, new_output
+from tigon.ops._common import (
+    as_rows,
+    cdiv,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+    new_output,
+    next_pow2,
+)
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu_erf": 2}
 
 
 def glu_launch_config(n_cols: int) -> tuple[int, int]:
-    """(columns per program, warps). On an H100 (benchmarks/tune_kernels.py, bf16) blocks of
-    4096 with 16 warps ran at 94-98% of copy bandwidth for I of 11008 and 14336; short rows
-    take one block of the row's size with a warp per 256 elements."""
-    block = min(4096, triton.next_power_of_2(n_cols))
+    """(elements per program, warps). On an H100 (benchmarks/tune_kernels.py, bf16) blocks of
+    4096 with 16 warps ran at 94-98% of copy bandwidth; short rows take one block of the row's
+    size with a warp per 256 elements."""
+    block = min(4096, next_pow2(n_cols))
     return block, max(2, min(16, block // 256))
+
+
+def _glu_rows(*tensors):
+    """[M, I] views as (rows, row length, row strides): one long row when all are contiguous,
+    so no program is spent on a row's ragged tail."""
+    n_rows, n_cols = tensors[0].shape
+    if all(t.stride(0) == n_cols for t in tensors):
+        return 1, n_rows * n_cols, [0] * len(tensors)
+    return n_rows, n_cols, [t.stride(0) for t in tensors]
 
 
 @triton.jit
@@ -48,12 +65,13 @@ def glu_activation(a, ACTIVATION: tl.constexpr):
 
 @triton.jit
 def glu_forward_kernel(
-    A, stride_a, B, stride_b, C, stride_c, n_cols,
+    A, stride_a, B, stride_b, C, stride_c, n_cols, blocks_per_row,
     ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Grid (rows, column blocks): rows on axis 0, whose limit is 2^31 - 1."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    """1-D grid over (row, column block) pairs; contiguous inputs arrive as a single row."""
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // blocks_per_row
+    cols = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     a = tl.load(A + row * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
@@ -63,12 +81,13 @@ def glu_forward_kernel(
 
 @triton.jit
 def glu_backward_kernel(
-    DC, stride_dc, A, stride_a, B, stride_b, DA, stride_da, DB, stride_db, n_cols,
+    DC, stride_dc, A, stride_a, B, stride_b, DA, stride_da, DB, stride_db, n_cols, blocks_per_row,
     ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """da = dc * b * act'(a), db = dc * act(a). DA / DB may alias DC or a dead buffer."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // blocks_per_row
+    cols = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     dc = tl.load(DC + row * stride_dc + cols, mask=mask, other=0.0).to(tl.float32)
     a = tl.load(A + row * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
@@ -91,12 +110,13 @@ def check_glu_args(a, b, activation):
 
 def glu_forward(a2, b2, activation, out=None):
     """a2, b2 [M, I] row-strided -> c [M, I] (written into `out` when given)."""
-    n_rows, n_cols = a2.shape
-    c = out if out is not None else new_output((n_rows, n_cols), a2.dtype, a2.device)
+    c = out if out is not None else new_output(a2.shape, a2.dtype, a2.device)
     if a2.numel():
+        n_rows, n_cols, (sa, sb, sc) = _glu_rows(a2, b2, c)
         block, num_warps = glu_launch_config(n_cols)
-        glu_forward_kernel[(n_rows, triton.cdiv(n_cols, block))](
-            a2, a2.stride(0), b2, b2.stride(0), c, c.stride(0), n_cols,
+        blocks_per_row = cdiv(n_cols, block)
+        glu_forward_kernel[(n_rows * blocks_per_row,)](
+            a2, sa, b2, sb, c, sc, n_cols, blocks_per_row,
             ACTIVATION=ACTIVATIONS[activation], BLOCK=block, num_warps=num_warps,
         )
     return c
@@ -104,14 +124,14 @@ def glu_forward(a2, b2, activation, out=None):
 
 def glu_backward(dc2, a2, b2, activation, da_out=None, db_out=None):
     """-> (da, db) [M, I]; da_out / db_out let the caller reuse dead buffers (e.g. dc2)."""
-    n_rows, n_cols = a2.shape
-    da = da_out if da_out is not None else new_output((n_rows, n_cols), a2.dtype, a2.device)
-    db = db_out if db_out is not None else new_output((n_rows, n_cols), a2.dtype, a2.device)
+    da = da_out if da_out is not None else new_output(a2.shape, a2.dtype, a2.device)
+    db = db_out if db_out is not None else new_output(a2.shape, a2.dtype, a2.device)
     if a2.numel():
+        n_rows, n_cols, (sdc, sa, sb, sda, sdb) = _glu_rows(dc2, a2, b2, da, db)
         block, num_warps = glu_launch_config(n_cols)
-        glu_backward_kernel[(n_rows, triton.cdiv(n_cols, block))](
-            dc2, dc2.stride(0), a2, a2.stride(0), b2, b2.stride(0),
-            da, da.stride(0), db, db.stride(0), n_cols,
+        blocks_per_row = cdiv(n_cols, block)
+        glu_backward_kernel[(n_rows * blocks_per_row,)](
+            dc2, sdc, a2, sa, b2, sb, da, sda, db, sdb, n_cols, blocks_per_row,
             ACTIVATION=ACTIVATIONS[activation], BLOCK=block, num_warps=num_warps,
         )
     return da, db

@@ -12,6 +12,7 @@ import triton.language as tl
 
 from tigon.ops._common import (
     as_rows,
+    cdiv,
     check_same_device,
     check_tensor,
     new_output,
@@ -112,7 +113,7 @@ class LayerNormFunction(torch.autograd.Function):
         mean = new_output((n_rows,), torch.float32, x.device)
         rstd = new_output((n_rows,), torch.float32, x.device)
         if n_rows:
-            layer_norm_forward_kernel[(triton.cdiv(n_rows, block_m),)](
+            layer_norm_forward_kernel[(cdiv(n_rows, block_m),)](
                 x2, x2.stride(0), y, y.stride(0),
                 weight if weight is not None else x2, bias if bias is not None else x2, mean, rstd,
                 n_rows, n_cols, float(eps),
@@ -133,7 +134,7 @@ class LayerNormFunction(torch.autograd.Function):
         compute_dw = weight is not None and ctx.needs_input_grad[1]
         compute_db = ctx.has_bias and ctx.needs_input_grad[2]
         dx = new_output((n_rows, n_cols), x2.dtype, x2.device)
-        n_programs = persistent_programs(x2.device, triton.cdiv(n_rows, block_m), per_sm)
+        n_programs = persistent_programs(x2.device, cdiv(n_rows, block_m), per_sm)
         dw_partial = new_output((n_programs, n_cols), torch.float32, x2.device) if compute_dw else None
         db_partial = new_output((n_programs, n_cols), torch.float32, x2.device) if compute_db else None
         if n_rows:

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from tigon.ops._common import (
     as_rows,
+    cdiv,
     check_same_device,
     check_tensor,
     new_output,
@@ -103,7 +104,7 @@ def rms_norm_forward(x2, weight, eps, offset, casting, residual2=None):
     rstd = new_output((n_rows,), torch.float32, x2.device)
     s = new_output((n_rows, n_cols), x2.dtype, x2.device) if residual2 is not None else None
     if n_rows:
-        rms_norm_forward_kernel[(triton.cdiv(n_rows, block_m),)](
+        rms_norm_forward_kernel[(cdiv(n_rows, block_m),)](
             x2, x2.stride(0),
             residual2 if residual2 is not None else x2, residual2.stride(0) if residual2 is not None else 0,
             s if s is not None else x2, s.stride(0) if s is not None else 0,
@@ -127,7 +128,7 @@ def rms_norm_backward(dy2, x2, weight, rstd, offset, casting, compute_dw, in_pla
         dx = dy2
     else:
         dx = new_output((n_rows, n_cols), x2.dtype, x2.device)
-    n_programs = persistent_programs(x2.device, triton.cdiv(n_rows, block_m), per_sm)
+    n_programs = persistent_programs(x2.device, cdiv(n_rows, block_m), per_sm)
     dw_partial = new_output((n_programs, n_cols), torch.float32, x2.device) if compute_dw else None
     if n_rows:
         rms_norm_backward_kernel[(n_programs,)](

@@ -14,7 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import check_same_device, check_same_dtype, check_tensor, new_output, poison_
+from tigon.ops._common import (
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+    new_output,
+    next_pow2,
+    poison_,
+)
 
 
 @triton.jit
@@ -122,9 +129,9 @@ def rope_apply(q, k, cos, sin, position_ids, unsqueeze_dim, backward, num_warps=
     else:
         pos, spb, spt = cos3, 0, 0
     half_rot = rot // 2
-    block_d = triton.next_power_of_2(half_rot)
+    block_d = next_pow2(half_rot)
     n_pass = head_dim - rot
-    block_pass = triton.next_power_of_2(n_pass) if n_pass > 0 else 0
+    block_pass = next_pow2(n_pass) if n_pass > 0 else 0
     n_tokens = batch * seq_len
     if n_tokens and head_dim:
         rope_kernel[(n_tokens,)](
@@ -133,7 +140,7 @@ def rope_apply(q, k, cos, sin, position_ids, unsqueeze_dim, backward, num_warps=
             cos3, sin3, scb, sct, pos, spb, spt,
             seq_len, n_q_heads, n_k_heads, head_dim, half_rot,
             HAS_POS=position_ids is not None, BACKWARD=backward,
-            BLOCK_HQ=triton.next_power_of_2(n_q_heads), BLOCK_HK=triton.next_power_of_2(n_k_heads),
+            BLOCK_HQ=next_pow2(n_q_heads), BLOCK_HK=next_pow2(n_k_heads),
             BLOCK_D=block_d, BLOCK_PASS=block_pass,
             # H100, bf16: 4 warps for up to 2K elements a token, else 8 (83-88% of copy bandwidth).
             num_warps=num_warps or (4 if (n_q_heads + n_k_heads) * head_dim <= 2048 else 8),
