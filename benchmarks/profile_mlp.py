@@ -7,20 +7,10 @@ time per kernel (torch.profiler) and CUDA-event times of fwd+bwd for both, with 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from tigon.bench.ops import EagerSwiGLUMLP
 from tigon.nn import TigonSwiGLUMLP
 
 T, H, I = 8192, 4096, 14336
-
-
-class EagerMLP(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.gate_proj = torch.nn.Linear(H, I, bias=False)
-        self.up_proj = torch.nn.Linear(H, I, bias=False)
-        self.down_proj = torch.nn.Linear(I, H, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def step(mod, x, g):
@@ -31,7 +21,7 @@ def step(mod, x, g):
 
 
 def main():
-    eager = EagerMLP().cuda().bfloat16()
+    eager = EagerSwiGLUMLP(H, I).cuda().bfloat16()
     ours = TigonSwiGLUMLP(hidden_size=H, intermediate_size=I).cuda().bfloat16()
     ours.load_state_dict(eager.state_dict())
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -68,3 +68,21 @@ def test_glu_bad_inputs():
         F.geglu(a, a, approximate="sigmoid")
     with pytest.raises(ValueError, match="down_weight"):
         F.glu_down_proj(a, a, randn((8, 15), torch.float32))
+
+
+@pytest.mark.gpu
+def test_swiglu_past_2_31_elements():
+    """Contiguous inputs are flattened into one row of > 2^31 elements: int64 offsets throughout."""
+    cols = 14336
+    rows = 2**31 // cols + 16
+    a = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    b = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    c = F.swiglu(a, b)
+    dc = torch.randn_like(c)
+    da, db = torch.autograd.grad(c, (a, b), dc)
+    tail = slice(rows - 32, rows)
+    a64, b64 = a[tail].detach().double().requires_grad_(), b[tail].detach().double().requires_grad_()
+    c64 = torch.nn.functional.silu(a64) * b64
+    da64, db64 = torch.autograd.grad(c64, (a64, b64), dc[tail].double())
+    for ours, ref in ((c[tail], c64), (da[tail], da64), (db[tail], db64)):
+        torch.testing.assert_close(ours.double(), ref, atol=3e-2, rtol=2e-2)

@@ -83,6 +83,19 @@ def eager_rope(q, k, cos, sin):
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
+class EagerSwiGLUMLP(torch.nn.Module):
+    """HF's LlamaMLP in plain torch: down_proj(silu(gate_proj(x)) * up_proj(x))."""
+
+    def __init__(self, hidden, inter):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(hidden, inter, bias=False)
+        self.up_proj = torch.nn.Linear(hidden, inter, bias=False)
+        self.down_proj = torch.nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 # ---- cases ----
 
 def norm_cases(rows_cols, liger):
@@ -159,17 +172,7 @@ def mlp_cases(configs, liger):
 
     cases = []
     for tokens, hidden, inter in configs:
-        class EagerMLP(torch.nn.Module):  # HF's LlamaMLP
-            def __init__(self):
-                super().__init__()
-                self.gate_proj = torch.nn.Linear(hidden, inter, bias=False)
-                self.up_proj = torch.nn.Linear(hidden, inter, bias=False)
-                self.down_proj = torch.nn.Linear(inter, hidden, bias=False)
-
-            def forward(self, x):
-                return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-
-        modules = {"torch eager": EagerMLP(), "tigon": TigonSwiGLUMLP(hidden_size=hidden, intermediate_size=inter)}
+        modules = {"torch eager": EagerSwiGLUMLP(hidden, inter), "tigon": TigonSwiGLUMLP(hidden_size=hidden, intermediate_size=inter)}
         if liger:
             from types import SimpleNamespace
 
