@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from tigon.ops import (
+    CrossEntropyFunction,
     FusedAddRMSNormFunction,
+    FusedLinearCrossEntropyFunction,
     GLUDownProjFunction,
     GLUFunction,
     LayerNormFunction,
@@ -63,3 +65,52 @@ def glu_down_proj(a, b, down_weight, down_bias=None, activation="silu") -> torch
     activation: "silu", "gelu_tanh" or "gelu_erf".
     """
     return GLUDownProjFunction.apply(a, b, down_weight, down_bias, activation)
+
+
+def cross_entropy(logits, target, ignore_index=-100, reduction="mean", label_smoothing=0.0, weight=None,
+                  lse_square_scale=0.0, softcap=None, return_z_loss=False, return_token_accuracy=False,
+                  inplace=True):
+    """Cross entropy of logits [..., V] against class indices target [...], loss in fp32.
+
+    Options as ``torch.nn.functional.cross_entropy`` (ignore_index, reduction, label_smoothing,
+    class weight), plus z-loss ``lse_square_scale * logsumexp^2`` and Gemma 2's logit
+    soft-capping ``softcap * tanh(logits / softcap)``. "mean" averages over non-ignored tokens;
+    an all-ignored batch gives 0 (not NaN). With ``inplace`` (default) the gradient is written
+    over ``logits`` during the forward pass when logits require grad: do not read logits after.
+    Returns the loss, or (loss, [z_loss], [token_accuracy]) with the extras asked for.
+    """
+    v = logits.shape[-1] if logits.ndim else 0
+    loss, z_loss, accuracy = CrossEntropyFunction.apply(
+        logits.reshape(-1, v) if logits.ndim != 2 else logits, target.reshape(-1), ignore_index, reduction,
+        label_smoothing, weight, lse_square_scale, softcap, return_z_loss, return_token_accuracy, inplace)
+    return _loss_outputs(loss, z_loss, accuracy, target, reduction, return_z_loss, return_token_accuracy)
+
+
+def fused_linear_cross_entropy(x, weight, target, bias=None, ignore_index=-100, reduction="mean",
+                               label_smoothing=0.0, ce_weight=None, lse_square_scale=0.0, softcap=None,
+                               return_z_loss=False, return_token_accuracy=False, chunk_budget=None,
+                               accum_dtype=None):
+    """cross_entropy(x @ weight.T + bias, target) without materialising the [rows, V] logits.
+
+    x [..., H] (bf16 or fp32), weight [V, H] (x's dtype or fp32; tied embeddings and frozen
+    heads are fine), bias [V] or None, target [...] class indices. Cross-entropy options as
+    ``cross_entropy`` (``ce_weight`` is its class weight). ``chunk_budget``: bytes of logits a
+    chunk may hold (default 512 MiB); ``accum_dtype=torch.float32`` accumulates dW in fp32
+    (V * H * 4 bytes more). Gradients are computed in the forward pass (reduction "mean" /
+    "sum"); the backward scales them by grad_output.
+    """
+    loss, z_loss, accuracy = FusedLinearCrossEntropyFunction.apply(
+        x, weight, target, bias, ignore_index, reduction, label_smoothing, ce_weight, lse_square_scale, softcap,
+        return_z_loss, return_token_accuracy, chunk_budget, accum_dtype)
+    return _loss_outputs(loss, z_loss, accuracy, target, reduction, return_z_loss, return_token_accuracy)
+
+
+def _loss_outputs(loss, z_loss, accuracy, target, reduction, return_z_loss, return_token_accuracy):
+    """The loss (shaped like target for reduction "none"), plus the extras asked for."""
+    if reduction == "none" and target.ndim != 1:
+        loss = loss.view(target.shape)
+        z_loss = z_loss.view(target.shape) if z_loss is not None else None
+        accuracy = accuracy.view(target.shape) if accuracy is not None else None
+    if not (return_z_loss or return_token_accuracy):
+        return loss
+    return (loss,) + ((z_loss,) if return_z_loss else ()) + ((accuracy,) if return_token_accuracy else ())

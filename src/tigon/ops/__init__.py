@@ -1,6 +1,8 @@
 """One file per op: its Triton kernels, then one torch.autograd.Function."""
 
+from tigon.ops.cross_entropy import CrossEntropyFunction
 from tigon.ops.fused_add_rms_norm import FusedAddRMSNormFunction
+from tigon.ops.fused_linear_cross_entropy import FusedLinearCrossEntropyFunction
 from tigon.ops.glu import GLUFunction
 from tigon.ops.glu_linear import GLUDownProjFunction
 from tigon.ops.layer_norm import LayerNormFunction
@@ -8,7 +10,9 @@ from tigon.ops.rms_norm import RMSNormFunction
 from tigon.ops.rope import RoPEFunction
 
 __all__ = [
+    "CrossEntropyFunction",
     "FusedAddRMSNormFunction",
+    "FusedLinearCrossEntropyFunction",
     "GLUDownProjFunction",
     "GLUFunction",
     "LayerNormFunction",

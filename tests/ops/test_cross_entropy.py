@@ -1,0 +1,173 @@
+import pytest
+import torch
+
+from tests.helpers import DEVICE, DTYPES, check_op, pick, randn, up
+from tigon import functional as F
+from tigon.nn import TigonCrossEntropyLoss
+
+# (rows, vocab): vocab not a power of two; the largest spans several BLOCK_V-wide blocks.
+SHAPES = pick(cpu=[(9, 300), (12, 10007)], gpu=[(4096, 32000), (1024, 128256), (333, 151936)])
+
+
+def make_target(n, v, ignore="some", ignore_index=-100):
+    t = torch.randint(0, v, (n,), device=DEVICE)
+    if ignore == "some":
+        t[::3] = ignore_index
+    elif ignore == "all":
+        t[:] = ignore_index
+    return t
+
+
+def ref_cross_entropy(logits, target, ignore_index=-100, reduction="mean", label_smoothing=0.0, weight=None,
+                      lse_square_scale=0.0, softcap=None):
+    """torch's cross_entropy on (soft-capped) logits upcast, plus the z-loss; 0 when all ignored."""
+    z = up(logits)
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    w = None if weight is None else weight.to(z.dtype)
+    loss = torch.nn.functional.cross_entropy(z, target, weight=w, ignore_index=ignore_index, reduction=reduction,
+                                             label_smoothing=label_smoothing)
+    valid = target != ignore_index
+    if reduction == "mean" and not valid.any():
+        loss = (z * 0).sum()
+    if lse_square_scale:
+        zl = lse_square_scale * torch.logsumexp(z, -1).pow(2) * valid
+        loss = loss + {"none": zl, "sum": zl.sum(), "mean": zl.sum() / valid.sum().clamp_min(1)}[reduction]
+    return loss
+
+
+def run_case(shape, dtype, reduction="mean", ignore="some", **opts):
+    n, v = shape
+    logits = randn((n, v), dtype, scale=3.0, requires_grad=True)
+    target = make_target(n, v, ignore)
+    # The gradient is rounded to the logits' dtype in the forward pass and again when the
+    # backward scales it by a grad_output != 1: up to two roundings (2 * 2^-8 in bf16) where
+    # eager torch has one.
+    check_op(lambda x: F.cross_entropy(x, target, reduction=reduction, **opts),
+             lambda x: ref_cross_entropy(x, target, reduction=reduction, **opts),
+             [logits], dtype=dtype, what=f"cross_entropy[{reduction}, {ignore}, {sorted(opts)}]",
+             noise_floor=2 * 2**-8 if dtype == torch.bfloat16 else None)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ignore", ["none", "some", "all"])
+def test_cross_entropy_matches_torch(shape, dtype, reduction, ignore):
+    run_case(shape, dtype, reduction, ignore)
+
+
+OPTIONS = {
+    "label_smoothing": dict(label_smoothing=0.1),
+    "weight": dict(weight="random"),
+    "weight+smoothing": dict(weight="random", label_smoothing=0.2),
+    "z_loss": dict(lse_square_scale=1e-3),
+    "softcap": dict(softcap=5.0),
+    "everything": dict(weight="random", label_smoothing=0.05, lse_square_scale=1e-4, softcap=4.0),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_cross_entropy_options_match_torch(shape, dtype, reduction, option):
+    opts = dict(OPTIONS[option])
+    if opts.get("weight") == "random":
+        opts["weight"] = (torch.rand(shape[1], device=DEVICE) + 0.5).to(dtype)
+    run_case(shape, dtype, reduction, "some", **opts)
+
+
+def test_cross_entropy_not_in_place_leaves_logits_alone():
+    logits = randn((6, 77), torch.float32, requires_grad=True)
+    before = logits.detach().clone()
+    target = make_target(6, 77)
+    check_op(lambda x: F.cross_entropy(x, target, inplace=False), lambda x: ref_cross_entropy(x, target),
+             [logits], dtype=torch.float32)
+    x = logits.detach().clone().requires_grad_()
+    F.cross_entropy(x, target, inplace=False).backward()
+    assert torch.equal(x.detach(), before)
+
+
+def test_cross_entropy_in_place_reuses_the_logits_buffer_and_bumps_its_version():
+    x = randn((5, 64), torch.float32, requires_grad=True)
+    target = make_target(5, 64)
+    h = x * 1.0  # a non-leaf, like lm_head's output
+    version = h._version
+    loss = F.cross_entropy(h, target)
+    assert h._version > version  # other saved uses of h now fail loudly, not silently
+    loss.backward()
+    x64 = x.detach().double().requires_grad_()
+    ref_cross_entropy(x64, target).backward()
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-7)
+    assert torch.equal(h.detach(), x.grad)  # h's memory now holds the gradient
+
+
+def test_cross_entropy_saved_by_another_op_fails_loudly():
+    x = randn((4, 32), torch.float32, requires_grad=True)
+    h = torch.sigmoid(x)  # sigmoid saves its output h for its backward
+    loss = F.cross_entropy(h, make_target(4, 32, "none"))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_z_loss_and_token_accuracy_outputs():
+    n, v = 40, 96
+    logits = randn((n, v), torch.float32, scale=3.0)
+    target = make_target(n, v)
+    target[1::3] = logits[1::3].argmax(-1)  # some rows predicted right
+    loss, z_loss, accuracy = F.cross_entropy(logits.clone(), target, lse_square_scale=1e-3, return_z_loss=True,
+                                             return_token_accuracy=True)
+    valid = target != -100
+    lse = torch.logsumexp(logits.double(), -1)
+    torch.testing.assert_close(z_loss.double(), (1e-3 * lse.pow(2) * valid).sum() / valid.sum(), rtol=1e-5, atol=1e-7)
+    expected_acc = ((logits.argmax(-1) == target) & valid).sum() / valid.sum()
+    torch.testing.assert_close(accuracy.double(), expected_acc.double())
+    torch.testing.assert_close(loss.double(), ref_cross_entropy(logits.double(), target, lse_square_scale=1e-3),
+                               rtol=1e-5, atol=1e-6)
+    per_row = F.cross_entropy(logits.clone(), target, reduction="none", return_token_accuracy=True)[1]
+    assert torch.equal(per_row, ((logits.argmax(-1) == target) & valid).float())
+
+
+def test_cross_entropy_nd_input_and_module():
+    logits = randn((2, 5, 33), torch.float32, requires_grad=True)
+    target = torch.randint(0, 33, (2, 5), device=DEVICE)
+    module = TigonCrossEntropyLoss(reduction="none", inplace=False)
+    check_op(lambda x: module(x, target),
+             lambda x: torch.nn.functional.cross_entropy(up(x).transpose(1, 2), target, reduction="none"),
+             [logits], dtype=torch.float32)
+
+
+def test_cross_entropy_bad_inputs():
+    logits = randn((4, 10), torch.float32)
+    with pytest.raises(ValueError, match="target holds 10, outside"):
+        F.cross_entropy(logits, torch.tensor([0, 1, 10, 2], device=DEVICE))
+    with pytest.raises(ValueError, match="target holds -3"):
+        F.cross_entropy(logits, torch.tensor([0, -3, -100, 2], device=DEVICE))
+    with pytest.raises(ValueError, match="target has 3 rows"):
+        F.cross_entropy(logits, torch.tensor([0, 1, 2], device=DEVICE))
+    with pytest.raises(TypeError, match="target must be int64 or int32"):
+        F.cross_entropy(logits, torch.zeros(4, device=DEVICE))
+    with pytest.raises(ValueError, match="reduction"):
+        F.cross_entropy(logits, torch.zeros(4, dtype=torch.long, device=DEVICE), reduction="avg")
+    with pytest.raises(ValueError, match="weight has 9 entries"):
+        F.cross_entropy(logits, torch.zeros(4, dtype=torch.long, device=DEVICE), weight=torch.ones(9, device=DEVICE))
+
+
+def test_unchecked_out_of_range_label_gives_nan_not_a_number(monkeypatch):
+    from tigon.ops import cross_entropy as ce
+
+    monkeypatch.setattr(ce, "CHECK_LABELS", False)
+    logits = randn((3, 10), torch.float32)
+    loss = F.cross_entropy(logits, torch.tensor([0, 12, 1], device=DEVICE))
+    assert torch.isnan(loss)
+
+
+def test_token_accuracy_ties_take_the_first_maximum_across_blocks():
+    """As torch.argmax: with the maximum at columns 5 and 9000 (different BLOCK_V blocks),
+    column 5 is the prediction."""
+    logits = randn((2, 10007), torch.float32)
+    logits[:, 5] = logits[:, 9000] = 50.0
+    target = torch.tensor([9000, 5], device=DEVICE)
+    per_row = F.cross_entropy(logits, target, reduction="none", return_token_accuracy=True)[1]
+    assert per_row.tolist() == [0.0, 1.0]

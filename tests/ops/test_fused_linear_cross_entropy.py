@@ -1,0 +1,145 @@
+import pytest
+import torch
+
+from tests.helpers import DEVICE, DTYPES, check_op, pick, randn
+from tests.ops.test_cross_entropy import make_target, ref_cross_entropy
+from tigon import functional as F
+from tigon.ops.fused_linear_cross_entropy import chunk_rows_for_budget
+
+# (rows, hidden, vocab)
+SHAPES = pick(cpu=[(37, 24, 301), (10, 16, 9000)], gpu=[(4096, 2048, 32000), (1000, 1024, 128256)])
+# A budget of a few rows of logits forces several chunks; None is the default (one chunk here).
+BUDGETS = {"chunked": lambda rows, vocab, elt: 8 * vocab * elt, "default": lambda rows, vocab, elt: None}
+
+
+def ref_flce(x, w, target, bias=None, **opts):
+    logits = x @ w.t().to(x.dtype)
+    if bias is not None:
+        logits = logits + bias.to(x.dtype)
+    return ref_cross_entropy(logits, target, **opts)
+
+
+def run_case(shape, dtype, w_dtype=None, bias=False, reduction="mean", ignore="some", budget="chunked",
+             frozen=False, **opts):
+    n, h, v = shape
+    x = randn((n, h), dtype, requires_grad=True)
+    w = randn((v, h), w_dtype or dtype, scale=h**-0.5 * 3, requires_grad=not frozen)
+    b = randn((v,), w_dtype or dtype, scale=0.5, requires_grad=True) if bias else None
+    target = make_target(n, v, ignore)
+    chunk_budget = BUDGETS[budget](n, v, x.element_size())
+    # bf16: logits are rounded once more than in eager torch (the chunk buffer), and the stored
+    # gradients are rescaled by grad_output in the backward: allow two roundings.
+    check_op(lambda x, w, b: F.fused_linear_cross_entropy(x, w, target, b, reduction=reduction,
+                                                          chunk_budget=chunk_budget, **opts),
+             lambda x, w, b: ref_flce(x, w, target, b, reduction=reduction, **opts),
+             [x, w, b], dtype=dtype, tol=1e-4 if dtype == torch.float32 else 2e-2,
+             what=f"flce[{reduction}, {ignore}, {budget}, bias={bias}, {sorted(opts)}]",
+             noise_floor=2 * 2**-8 if dtype == torch.bfloat16 else 2e-5, worse_than_eager=3.0)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ignore", ["none", "some", "all"])
+@pytest.mark.parametrize("budget", list(BUDGETS))
+def test_flce_matches_torch(shape, dtype, reduction, ignore, budget):
+    run_case(shape, dtype, reduction=reduction, ignore=ignore, budget=budget)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_flce_with_bias(dtype, reduction):
+    run_case(SHAPES[0], dtype, bias=True, reduction=reduction)
+
+
+@pytest.mark.parametrize("option", ["label_smoothing", "ce_weight", "z_loss", "softcap"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_flce_cross_entropy_options(option, dtype):
+    v = SHAPES[0][2]
+    opts = {"label_smoothing": dict(label_smoothing=0.1),
+            "ce_weight": dict(weight=(torch.rand(v, device=DEVICE) + 0.5).to(dtype)),
+            "z_loss": dict(lse_square_scale=1e-3),
+            "softcap": dict(softcap=3.0)}[option]
+    n, h, _ = SHAPES[0]
+    x = randn((n, h), dtype, requires_grad=True)
+    w = randn((v, h), dtype, scale=h**-0.5 * 3, requires_grad=True)
+    target = make_target(n, v)
+    ours = dict(opts)
+    if "weight" in ours:
+        ours["ce_weight"] = ours.pop("weight")
+    check_op(lambda x, w: F.fused_linear_cross_entropy(x, w, target, chunk_budget=8 * v * 4, **ours),
+             lambda x, w: ref_flce(x, w, target, **opts), [x, w], dtype=dtype,
+             tol=1e-4 if dtype == torch.float32 else 2e-2, what=f"flce[{option}]",
+             noise_floor=2 * 2**-8 if dtype == torch.bfloat16 else 2e-5, worse_than_eager=3.0)
+
+
+def test_flce_frozen_head_and_fp32_weight_with_bf16_x():
+    run_case(SHAPES[0], torch.float32, frozen=True)
+    run_case(SHAPES[0], torch.bfloat16, w_dtype=torch.float32)
+
+
+def test_flce_fp32_dw_accumulator_matches():
+    n, h, v = SHAPES[0]
+    x = randn((n, h), torch.float32, requires_grad=True)
+    w = randn((v, h), torch.float32, scale=0.3, requires_grad=True)
+    target = make_target(n, v)
+    check_op(lambda x, w: F.fused_linear_cross_entropy(x, w, target, chunk_budget=8 * v * 4,
+                                                       accum_dtype=torch.float32),
+             lambda x, w: ref_flce(x, w, target), [x, w], dtype=torch.float32, tol=1e-4, noise_floor=2e-5)
+
+
+def test_flce_tied_embeddings_accumulate_both_gradients():
+    """The head weight is also the embedding table: both uses reach weight.grad."""
+    n, h, v = 12, 16, 50
+    w = randn((v, h), torch.float32, scale=0.5, requires_grad=True)
+    ids = torch.randint(0, v, (n,), device=DEVICE)
+    target = make_target(n, v)
+
+    def model(w, loss_fn):
+        x = torch.tanh(w[ids] * 2.0)
+        return loss_fn(x, w)
+
+    model(w, lambda x, w: F.fused_linear_cross_entropy(x, w, target, chunk_budget=4 * v * 4)).backward()
+    w64 = w.detach().double().requires_grad_()
+    model(w64, lambda x, w: ref_flce(x, w, target)).backward()
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_flce_3d_input_and_token_accuracy():
+    b, t, h, v = 2, 7, 16, 40
+    x = randn((b, t, h), torch.float32)
+    w = randn((v, h), torch.float32)
+    target = torch.randint(0, v, (b, t), device=DEVICE)
+    loss, z, acc = F.fused_linear_cross_entropy(x, w, target, lse_square_scale=1e-2, return_z_loss=True,
+                                                return_token_accuracy=True)
+    logits = x.double() @ w.double().t()
+    torch.testing.assert_close(loss.double(), ref_cross_entropy(logits.reshape(-1, v), target.reshape(-1),
+                                                                lse_square_scale=1e-2), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(z.double(), 1e-2 * torch.logsumexp(logits, -1).pow(2).mean(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(acc.double(), (logits.argmax(-1) == target).double().mean())
+    rows = F.fused_linear_cross_entropy(x, w, target, reduction="none")
+    assert rows.shape == (b, t)
+
+
+def test_chunk_rows_for_budget():
+    assert chunk_rows_for_budget(2048, 128256, 2, 512 * 2**20) == 2048  # fits: one chunk
+    rows = chunk_rows_for_budget(8192, 128256, 2, 512 * 2**20)
+    assert rows * 128256 * 2 <= 512 * 2**20 and rows % 64 == 0 and 8192 / rows <= 5
+    assert chunk_rows_for_budget(100, 1000, 4, 4000 * 30) == 25  # 30 rows fit: four even chunks of 25
+    assert chunk_rows_for_budget(5, 10**6, 4, 1) == 1  # never zero
+
+
+def test_flce_bad_inputs():
+    x = randn((4, 8), torch.float32)
+    w = randn((10, 8), torch.float32)
+    y = torch.zeros(4, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="weight has shape"):
+        F.fused_linear_cross_entropy(x, randn((10, 7), torch.float32), y)
+    with pytest.raises(ValueError, match="target has 3 elements but x has 4 rows"):
+        F.fused_linear_cross_entropy(x, w, y[:3])
+    with pytest.raises(ValueError, match="bias has 9 entries"):
+        F.fused_linear_cross_entropy(x, w, y, bias=randn((9,), torch.float32))
+    with pytest.raises(ValueError, match="target holds 10"):
+        F.fused_linear_cross_entropy(x, w, torch.tensor([0, 10, 1, 2], device=DEVICE))
+    with pytest.raises(ValueError, match="reduction"):
+        F.fused_linear_cross_entropy(x, w, y, reduction="mean_tokens")
