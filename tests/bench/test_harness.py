@@ -13,7 +13,8 @@ def test_rates_use_gpu_time_and_measured_limits():
 def test_markdown_table_compares_with_eager_of_the_same_case():
     rows = [
         Row("rope", "B4", "torch eager", "bf16", fwd_ms=0.6, bwd_ms=0.8, full_ms=1.4, graph_ms=1.2, peak_mb=256),
-        Row("rope", "B4", "tigon", "bf16", fwd_ms=0.06, bwd_ms=0.07, full_ms=0.4, graph_ms=0.3, peak_mb=160),
+        Row("rope", "B4", "tigon", "bf16", fwd_ms=0.06, bwd_ms=0.07, full_ms=0.4, graph_ms=0.3, peak_mb=160,
+            grads_mb=150),
         Row("rope", "B4", "liger", "bf16", error="RuntimeError: boom"),
         Row("rope", "B8", "tigon", "bf16", fwd_ms=0.1, bwd_ms=0.1, full_ms=0.3, peak_mb=1.0),
     ]
@@ -21,6 +22,7 @@ def test_markdown_table_compares_with_eager_of_the_same_case():
     assert len(lines) == 2 + len(rows)
     tigon = lines[3].split("|")
     assert tigon[3].strip() == "tigon" and tigon[8].strip() == "4.00x"  # 1.2 / 0.3 of GPU time
+    assert tigon[10].strip() == "10"  # peak beyond the returned gradients
     assert "failed: RuntimeError: boom" in lines[4]
     no_graph = lines[5].split("|")
     assert no_graph[7].strip() == "n/a" and no_graph[8].strip() == ""  # no eager row for B8

@@ -25,6 +25,7 @@ class Row:
     full_ms: float | None = None  # fwd+bwd dispatched eagerly from Python: includes host overhead
     graph_ms: float | None = None  # the same fwd+bwd replayed as one CUDA graph: GPU time
     peak_mb: float | None = None
+    grads_mb: float | None = None  # the gradients fwd+bwd returns (counted in peak_mb)
     bytes_full: int | None = None  # fewest bytes fwd+bwd must move (each input read once, output written once)
     flops_full: int | None = None
     gbps: float | None = None  # bytes_full / GPU time (graph_ms, else full_ms)
@@ -105,6 +106,7 @@ def measure(fn: Callable, inputs: list, row: Row, limits: dict | None = None) ->
         full()
         torch.cuda.synchronize()
         row.peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
+        row.grads_mb = sum(t.grad.numel() * t.grad.element_size() for t in leaves if t.grad is not None) / 2**20
         for t in leaves:
             t.grad = None
         try:
@@ -166,20 +168,21 @@ def markdown_table(rows: list[Row]) -> str:
     eager = {(r.op, r.shape): gpu(r) for r in rows if r.impl == "torch eager" and gpu(r)}
     lines = [
         "| op | shape | impl | fwd ms | bwd ms | fwd+bwd eager ms | fwd+bwd GPU ms | vs eager | peak MB "
-        "| achieved | of limit |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| peak - grads MB | achieved | of limit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.error:
-            lines.append(f"| {r.op} | {r.shape} | {r.impl} | failed: {r.error} | | | | | | | |")
+            lines.append(f"| {r.op} | {r.shape} | {r.impl} | failed: {r.error} | | | | | | | | |")
             continue
         base = eager.get((r.op, r.shape))
         speed = f"{base / gpu(r):.2f}x" if base and gpu(r) else ""
         achieved = f"{r.gbps:.0f} GB/s" if r.gbps else (f"{r.tflops:.0f} TFLOP/s" if r.tflops else "")
         frac = f"{100 * r.frac_of_limit:.0f}%" if r.frac_of_limit else ""
         graph = f"{r.graph_ms:.3f}" if r.graph_ms else "n/a"
+        extra = f"{r.peak_mb - r.grads_mb:.0f}" if r.grads_mb is not None else ""
         lines.append(
             f"| {r.op} | {r.shape} | {r.impl} | {r.fwd_ms:.3f} | {r.bwd_ms:.3f} | {r.full_ms:.3f} | {graph} "
-            f"| {speed} | {r.peak_mb:.0f} | {achieved} | {frac} |"
+            f"| {speed} | {r.peak_mb:.0f} | {extra} | {achieved} | {frac} |"
         )
     return "\n".join(lines)

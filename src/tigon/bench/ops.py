@@ -201,13 +201,68 @@ def mlp_cases(configs, liger):
     return cases
 
 
+def _cce():
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+
+        return linear_cross_entropy
+    except Exception:
+        return None
+
+
+def eager_cross_entropy(logits, target):
+    """What HF's loss does: upcast the logits, then torch's cross entropy."""
+    return torch.nn.functional.cross_entropy(logits.float(), target)
+
+
+def eager_linear_cross_entropy(x, w, target):
+    return eager_cross_entropy(x @ w.t(), target)
+
+
+def cross_entropy_cases(shapes, liger):
+    cases = []
+    for rows, vocab in shapes:
+        def inputs(rows=rows, vocab=vocab):
+            return [_randn(rows, vocab, scale=2.0), torch.randint(0, vocab, (rows,), device="cuda")]
+
+        impls = {"tigon": TF.cross_entropy, "torch eager": eager_cross_entropy,
+                 "torch.compile": _compiled(eager_cross_entropy)}
+        if liger:
+            impls["liger"] = liger.liger_cross_entropy
+        # Read the logits once and write their gradient once.
+        cases.append(Case("cross_entropy", f"{rows}x{vocab}", inputs, impls, bytes_full=2 * rows * vocab * 2))
+    return cases
+
+
+def flce_cases(shapes, liger, cce):
+    cases = []
+    for rows, hidden, vocab in shapes:
+        def inputs(rows=rows, hidden=hidden, vocab=vocab):
+            return [_randn(rows, hidden), _randn(vocab, hidden, scale=hidden**-0.5),
+                    torch.randint(0, vocab, (rows,), device="cuda")]
+
+        impls = {"tigon": TF.fused_linear_cross_entropy, "torch eager": eager_linear_cross_entropy,
+                 "torch.compile": _compiled(eager_linear_cross_entropy)}
+        if liger:
+            impls["liger"] = liger.liger_fused_linear_cross_entropy
+        if cce:
+            impls["cce"] = cce
+        cases.append(Case("fused_linear_cross_entropy", f"BT{rows} H{hidden} V{vocab}", inputs, impls,
+                          flops_full=3 * 2 * rows * hidden * vocab))
+    return cases
+
+
 def all_cases(quick=False):
     liger = _liger()
     hidden = [(16384, 4096)] if quick else [(16384, 1024), (16384, 4096), (8192, 8192)]
     glu = [(16384, 14336)] if quick else [(8192, 11008), (16384, 14336)]
     rope = [(4, 32, 8, 2048, 128)] if quick else [(4, 32, 8, 2048, 128), (8, 28, 4, 1024, 128)]
     mlp = [(8192, 4096, 14336)]
-    return (norm_cases(hidden, liger) + glu_cases(glu, liger) + rope_cases(rope, liger) + mlp_cases(mlp, liger)), liger
+    ce = [(8192, 128256)] if quick else [(8192, 128256), (4096, 151936)]
+    flce = ([(8192, 4096, 128256)] if quick else
+            [(8192, 4096, 128256), (4096, 2048, 128256), (8192, 896, 151936), (2048, 896, 151936)])
+    return (norm_cases(hidden, liger) + glu_cases(glu, liger) + rope_cases(rope, liger) + mlp_cases(mlp, liger)
+            + cross_entropy_cases(ce, liger) + flce_cases(flce, liger, _cce())), liger
 
 
 def max_rel_err(a, b):
@@ -227,7 +282,7 @@ def run(ops=None, quick=False, out_dir="bench_out"):
     start = time.time()
     for i, case in enumerate(cases):
         inputs = case.make_inputs()
-        with torch.no_grad():
+        with torch.no_grad():  # no grad: nothing is computed in place over the inputs
             ref = case.impls["torch eager"](*inputs)
             ours = case.impls["tigon"](*inputs)
             err = max_rel_err(ours, ref)
