@@ -82,7 +82,8 @@ def cross_entropy(logits, target, ignore_index=-100, reduction="mean", label_smo
     v = logits.shape[-1] if logits.ndim else 0
     loss, z_loss, accuracy = CrossEntropyFunction.apply(
         logits.reshape(-1, v) if logits.ndim != 2 else logits, target.reshape(-1), ignore_index, reduction,
-        label_smoothing, weight, lse_square_scale, softcap, return_z_loss, return_token_accuracy, inplace)
+        label_smoothing, weight, lse_square_scale, softcap, return_z_loss, return_token_accuracy, inplace,
+        torch.is_grad_enabled())
     return _loss_outputs(loss, z_loss, accuracy, target, reduction, return_z_loss, return_token_accuracy)
 
 
@@ -101,7 +102,7 @@ def fused_linear_cross_entropy(x, weight, target, bias=None, ignore_index=-100, 
     """
     loss, z_loss, accuracy = FusedLinearCrossEntropyFunction.apply(
         x, weight, target, bias, ignore_index, reduction, label_smoothing, ce_weight, lse_square_scale, softcap,
-        return_z_loss, return_token_accuracy, chunk_budget, accum_dtype)
+        return_z_loss, return_token_accuracy, chunk_budget, accum_dtype, torch.is_grad_enabled())
     return _loss_outputs(loss, z_loss, accuracy, target, reduction, return_z_loss, return_token_accuracy)
 
 

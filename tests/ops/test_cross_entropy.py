@@ -171,3 +171,13 @@ def test_token_accuracy_ties_take_the_first_maximum_across_blocks():
     target = torch.tensor([9000, 5], device=DEVICE)
     per_row = F.cross_entropy(logits, target, reduction="none", return_token_accuracy=True)[1]
     assert per_row.tolist() == [0.0, 1.0]
+
+
+def test_no_grad_leaves_logits_untouched():
+    logits = randn((6, 50), torch.float32, requires_grad=True)
+    before = logits.detach().clone()
+    target = make_target(6, 50)
+    with torch.no_grad():
+        loss = F.cross_entropy(logits, target)
+    assert torch.equal(logits.detach(), before)
+    torch.testing.assert_close(loss.double(), ref_cross_entropy(before.double(), target), rtol=1e-5, atol=1e-6)

@@ -143,3 +143,24 @@ def test_flce_bad_inputs():
         F.fused_linear_cross_entropy(x, w, torch.tensor([0, 10, 1, 2], device=DEVICE))
     with pytest.raises(ValueError, match="reduction"):
         F.fused_linear_cross_entropy(x, w, y, reduction="mean_tokens")
+
+
+def test_flce_under_no_grad_computes_the_loss_only(monkeypatch):
+    from tigon.ops import fused_linear_cross_entropy as flce
+
+    seen = []
+    original = flce.flce_chunks
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["need_dx"], kwargs["need_dw"]))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(flce, "flce_chunks", spy)
+    x = randn((9, 8), torch.float32, requires_grad=True)
+    w = randn((20, 8), torch.float32, requires_grad=True)
+    target = make_target(9, 20)
+    with torch.no_grad():
+        loss = F.fused_linear_cross_entropy(x, w, target)
+    assert seen == [(False, False)]
+    torch.testing.assert_close(loss.double(), ref_flce(x.detach().double(), w.detach().double(), target),
+                               rtol=1e-5, atol=1e-6)

@@ -284,10 +284,11 @@ class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ignore_index=-100, reduction="mean", label_smoothing=0.0, weight=None,
                 lse_square_scale=0.0, softcap=None, return_z_loss=False, return_token_accuracy=False,
-                inplace=True):
+                inplace=True, grad_enabled=True):
         check_cross_entropy_args(logits, target, weight, reduction, label_smoothing, softcap, ignore_index)
         logits2 = logits if logits.stride(-1) == 1 else logits.contiguous()
-        needs_grad = ctx.needs_input_grad[0]
+        # forward runs with grad mode off: the caller's mode arrives as grad_enabled.
+        needs_grad = ctx.needs_input_grad[0] and grad_enabled
         norms = cross_entropy_norms(target, weight, ignore_index, reduction)
         grad = None
         if needs_grad:
@@ -315,7 +316,7 @@ class CrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_z, _grad_accuracy):
         (grad,) = ctx.saved_tensors
         if not ctx.has_grad:
-            return (None,) * 11
+            return (None,) * 12
         scale = grad_loss.reshape(-1) if grad_loss.numel() > 1 else grad_loss.reshape(1)
         scale_rows_(grad, scale.to(torch.float32))
-        return (grad,) + (None,) * 10
+        return (grad,) + (None,) * 11

@@ -122,7 +122,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                 ce_weight=None, lse_square_scale=0.0, softcap=None, return_z_loss=False,
-                return_token_accuracy=False, chunk_budget=None, accum_dtype=None):
+                return_token_accuracy=False, chunk_budget=None, accum_dtype=None, grad_enabled=True):
         check_flce_args(x, weight, target, bias)
         x2 = x.reshape(-1, x.shape[-1])
         if x2.stride(-1) != 1:
@@ -137,7 +137,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         norms = cross_entropy_norms(target, ce_weight, ignore_index, reduction)
         budget = DEFAULT_CHUNK_BUDGET if chunk_budget is None else int(chunk_budget)
         chunk_rows = chunk_rows_for_budget(x2.shape[0], weight.shape[0], x2.element_size(), budget)
-        need = ctx.needs_input_grad
+        need = [n and grad_enabled for n in ctx.needs_input_grad]  # forward runs with grad mode off
         deferred = reduction == "none"
         loss_rows, z_rows, correct, dx, dw, db = flce_chunks(
             x2, weight, bias, target, norms, opts, need_dx=need[0] and not deferred,
@@ -184,4 +184,4 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         dx = dx.view(ctx.x_shape) if dx is not None else None
         dw = dw.to(w_dtype) if dw is not None else None
         db = db.to(b_dtype) if db is not None else None
-        return (dx, dw, None, db) + (None,) * 10
+        return (dx, dw, None, db) + (None,) * 11
