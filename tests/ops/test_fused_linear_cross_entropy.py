@@ -164,3 +164,33 @@ def test_flce_under_no_grad_computes_the_loss_only(monkeypatch):
     assert seen == [(False, False)]
     torch.testing.assert_close(loss.double(), ref_flce(x.detach().double(), w.detach().double(), target),
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_cross_entropy_and_flce_capture_in_a_cuda_graph():
+    """No host sync inside: both can be captured and replayed (the label check is skipped)."""
+    n, h, v = 256, 128, 5000
+    x = randn((n, h), torch.bfloat16, requires_grad=True)
+    w = randn((v, h), torch.bfloat16, scale=h**-0.5, requires_grad=True)
+    target = make_target(n, v)
+    ce_weight = torch.rand(v, device=DEVICE) + 0.5
+
+    def step():
+        a = F.fused_linear_cross_entropy(x, w, target, ce_weight=ce_weight, label_smoothing=0.1)
+        b = F.cross_entropy(x.float() @ w.float().t(), target, inplace=False)
+        (a + b).backward()
+        return a, b
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        eager = [t.detach().clone() for t in step()]
+    torch.cuda.current_stream().wait_stream(side)
+    x.grad = w.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, eager):
+        torch.testing.assert_close(got, want)

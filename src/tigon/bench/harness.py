@@ -38,6 +38,19 @@ class Row:
         return asdict(self)
 
 
+_GENERATOR = None
+
+
+def generator(device="cuda") -> torch.Generator:
+    """The harness's own CUDA generator: a graph capture that fails inside some implementation
+    can leave the default generator unusable; inputs and cotangents never depend on it."""
+    global _GENERATOR
+    if _GENERATOR is None:
+        _GENERATOR = torch.Generator(device=device)
+        _GENERATOR.manual_seed(0)
+    return _GENERATOR
+
+
 def _outputs(out):
     return [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
 
@@ -84,7 +97,7 @@ def measure(fn: Callable, inputs: list, row: Row, limits: dict | None = None) ->
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     try:
         outs = [o for o in _outputs(fn(*inputs)) if o.requires_grad]
-        cotangents = [torch.randn_like(o) for o in outs]
+        cotangents = [torch.randn(o.shape, device=o.device, dtype=o.dtype, generator=generator()) for o in outs]
 
         def full():
             torch.autograd.backward([o for o in _outputs(fn(*inputs)) if o.requires_grad], cotangents)

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from tigon import functional as TF
-from tigon.bench.harness import Row, markdown_table, measure, measure_limits
+from tigon.bench.harness import Row, generator, markdown_table, measure, measure_limits
 
 
 @dataclass
@@ -45,8 +45,13 @@ def _compiled(fn):
 
 
 def _randn(*shape, dtype=torch.bfloat16, scale=1.0, shift=0.0, grad=True):
-    t = torch.randn(*shape, device="cuda", dtype=torch.float32).mul_(scale).add_(shift).to(dtype)
+    t = torch.randn(*shape, device="cuda", dtype=torch.float32, generator=generator()).mul_(scale).add_(shift)
+    t = t.to(dtype)
     return t.requires_grad_(grad)
+
+
+def _randint(high, n):
+    return torch.randint(0, high, (n,), device="cuda", generator=generator())
 
 
 # ---- eager references (what HF models run) ----
@@ -223,7 +228,7 @@ def cross_entropy_cases(shapes, liger):
     cases = []
     for rows, vocab in shapes:
         def inputs(rows=rows, vocab=vocab):
-            return [_randn(rows, vocab, scale=2.0), torch.randint(0, vocab, (rows,), device="cuda")]
+            return [_randn(rows, vocab, scale=2.0), _randint(vocab, rows)]
 
         impls = {"tigon": TF.cross_entropy, "torch eager": eager_cross_entropy,
                  "torch.compile": _compiled(eager_cross_entropy)}
@@ -239,7 +244,7 @@ def flce_cases(shapes, liger, cce):
     for rows, hidden, vocab in shapes:
         def inputs(rows=rows, hidden=hidden, vocab=vocab):
             return [_randn(rows, hidden), _randn(vocab, hidden, scale=hidden**-0.5),
-                    torch.randint(0, vocab, (rows,), device="cuda")]
+                    _randint(vocab, rows)]
 
         impls = {"tigon": TF.fused_linear_cross_entropy, "torch eager": eager_linear_cross_entropy,
                  "torch.compile": _compiled(eager_linear_cross_entropy)}

@@ -42,6 +42,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def capturing() -> bool:
+    """True while a CUDA graph is being captured: host syncs (value checks) must be skipped."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialised buffer a kernel will fill (NaN-filled when poisoning is on)."""
     if _POISON_OUTPUTS:

@@ -23,12 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import cdiv, check_same_device, check_tensor, new_output, next_pow2
+from tigon.ops._common import capturing, cdiv, check_same_device, check_tensor, new_output, next_pow2
 
 REDUCTIONS = ("mean", "sum", "none")
 
 # Label range check: one host sync per call (a clear error instead of a kernel reading
-# outside the row). TIGON_CHECK_LABELS=0 skips it; out-of-range labels then give a NaN loss.
+# outside the row). TIGON_CHECK_LABELS=0 skips it, as does CUDA-graph capture; out-of-range
+# labels then give a NaN loss.
 CHECK_LABELS = os.environ.get("TIGON_CHECK_LABELS", "1") != "0"
 
 
@@ -43,13 +44,14 @@ def soft_cap(x, cap):
 def cross_entropy_kernel(
     LOGITS, stride_logits, GRAD, stride_grad, TARGET, WEIGHT, NORMS,
     LOSS, Z_LOSS, CORRECT,
-    n_cols, ignore_index, label_smoothing, lse_square_scale, softcap, weight_sum,
+    n_cols, ignore_index, label_smoothing, lse_square_scale, softcap,
     HAS_WEIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr, COMPUTE_GRAD: tl.constexpr, COMPUTE_ACCURACY: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """Per row: LOSS[row] (ce, unnormalised), Z_LOSS[row], CORRECT[row]; GRAD row (normalised
-    by NORMS = [ce_norm, z_norm], as for grad_output = 1). GRAD may alias LOGITS."""
+    by NORMS = [ce_norm, z_norm, sum of class weights], as for grad_output = 1). GRAD may
+    alias LOGITS."""
     row = tl.program_id(0).to(tl.int64)
     y = tl.load(TARGET + row).to(tl.int64)
     logits_row = LOGITS + row * stride_logits
@@ -105,6 +107,9 @@ def cross_entropy_kernel(
         if HAS_WEIGHT:
             w_y = tl.load(WEIGHT + y_safe).to(tl.float32)
         loss = (1.0 - label_smoothing) * w_y * (lse - z_y)
+        weight_sum = n_cols * 1.0
+        if HAS_WEIGHT and HAS_SMOOTHING:
+            weight_sum = tl.load(NORMS + 2)
         if HAS_SMOOTHING:
             loss += label_smoothing / n_cols * (weight_sum * lse - sum_wz)
         loss = tl.where(bad, float("nan"), loss)
@@ -206,7 +211,7 @@ def check_cross_entropy_options(target, n_rows, n_classes, weight, reduction, la
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be positive or None, got {softcap}")
-    if CHECK_LABELS and target.numel():
+    if CHECK_LABELS and target.numel() and not capturing():
         bad = ((target < 0) & (target != ignore_index)) | (target >= n_classes)
         if bool(bad.any()):
             first = target[bad][0].item()
@@ -222,11 +227,14 @@ def check_cross_entropy_args(logits, target, weight, reduction, label_smoothing,
 
 
 def cross_entropy_norms(target, weight, ignore_index, reduction):
-    """Device tensor [ce_norm, z_norm] (no host sync): what "mean" divides the ce and z-loss
-    terms by (sum of target-class weights, number of non-ignored rows); ones otherwise. A zero
-    norm (all rows ignored) becomes 1: the sums are then 0 and so is the loss."""
+    """Device tensor [ce_norm, z_norm, weight_sum] (no host sync): what "mean" divides the ce
+    and z-loss terms by (sum of target-class weights, number of non-ignored rows; ones for the
+    other reductions), and the sum of the class weights (label smoothing). A zero norm (all
+    rows ignored) becomes 1: the sums are then 0 and so is the loss."""
+    weight_sum = weight.float().sum() if weight is not None else torch.zeros((), device=target.device)
     if reduction != "mean":
-        return torch.ones(2, dtype=torch.float32, device=target.device)
+        ones = torch.ones((), dtype=torch.float32, device=target.device)
+        return torch.stack((ones, ones, weight_sum))
     valid = target != ignore_index
     count = valid.sum().to(torch.float32)
     if weight is not None:
@@ -235,7 +243,7 @@ def cross_entropy_norms(target, weight, ignore_index, reduction):
     else:
         ce = count
     norms = torch.stack((ce, count))
-    return torch.where(norms != 0, norms, torch.ones_like(norms))
+    return torch.cat((torch.where(norms != 0, norms, torch.ones_like(norms)), weight_sum.reshape(1)))
 
 
 def cross_entropy_rows(logits2, target, weight, norms, grad, ignore_index, label_smoothing, lse_square_scale,
@@ -247,9 +255,6 @@ def cross_entropy_rows(logits2, target, weight, norms, grad, ignore_index, label
     loss = new_output((n_rows,), torch.float32, device)
     z_rows = new_output((n_rows,), torch.float32, device) if lse_square_scale else None
     correct = new_output((n_rows,), torch.float32, device) if compute_accuracy else None
-    weight_sum = float(n_cols)
-    if weight is not None and label_smoothing:
-        weight_sum = float(weight.float().sum())  # host scalar: weights are a small fixed vector
     block, num_warps = ce_block_config(n_cols)
     if n_rows:
         cross_entropy_kernel[(n_rows,)](
@@ -258,7 +263,7 @@ def cross_entropy_rows(logits2, target, weight, norms, grad, ignore_index, label
             target, weight if weight is not None else norms, norms,
             loss, z_rows if z_rows is not None else loss, correct if correct is not None else loss,
             n_cols, ignore_index, float(label_smoothing), float(lse_square_scale),
-            float(softcap) if softcap else 1.0, weight_sum,
+            float(softcap) if softcap else 1.0,
             HAS_WEIGHT=weight is not None, HAS_SOFTCAP=bool(softcap), HAS_SMOOTHING=label_smoothing > 0,
             HAS_Z_LOSS=bool(lse_square_scale), COMPUTE_GRAD=grad is not None, COMPUTE_ACCURACY=compute_accuracy,
             BLOCK_V=block, num_warps=num_warps,

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from tigon.ops._common import (
+    capturing,
     check_same_device,
     check_same_dtype,
     check_tensor,
@@ -194,8 +195,9 @@ def check_rope_args(q, k, cos, sin, position_ids, unsqueeze_dim):
             raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; expected [1|{batch}, {seq_len}]")
         if cos_batch != 1:
             raise ValueError(f"with position_ids, cos must be a table [P, R] or [1, P, R], got {tuple(cos.shape)}")
-        if position_ids.numel():
-            # One host sync: an out-of-table position would read outside cos / sin.
+        if position_ids.numel() and not capturing():
+            # One host sync (skipped in CUDA-graph capture): an out-of-table position would read
+            # outside cos / sin.
             lo, hi = int(position_ids.min()), int(position_ids.max())
             if lo < 0 or hi >= cos.shape[-2]:
                 raise ValueError(f"position_ids range over [{lo}, {hi}] but cos has {cos.shape[-2]} positions")
