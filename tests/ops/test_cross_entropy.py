@@ -181,3 +181,11 @@ def test_no_grad_leaves_logits_untouched():
         loss = F.cross_entropy(logits, target)
     assert torch.equal(logits.detach(), before)
     torch.testing.assert_close(loss.double(), ref_cross_entropy(before.double(), target), rtol=1e-5, atol=1e-6)
+
+
+def test_in_place_gradient_of_a_leaf_is_adopted_not_copied():
+    """The gradient buffer handed to autograd is the logits' own memory, even for a leaf."""
+    logits = randn((8, 40), torch.float32, requires_grad=True)
+    ptr = logits.data_ptr()
+    F.cross_entropy(logits, make_target(8, 40)).backward()
+    assert logits.grad.data_ptr() == ptr

@@ -8,6 +8,7 @@ says what fraction of the measured copy bandwidth (or bf16 matmul rate) it reach
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -298,9 +299,14 @@ def run(ops=None, quick=False, out_dir="bench_out"):
             if name == "tigon":
                 row.extra["rel_err_vs_eager"] = err
             rows.append(row)
+            gc.collect()  # frees graphs and closures of this implementation before the next
+            torch.cuda.empty_cache()
             print(f"[{i + 1}/{len(cases)} {time.time() - start:6.1f}s] {case.op} {case.shape} {name}: "
-                  f"full {row.full_ms} ms, peak {row.peak_mb} MB {row.error or ''}", file=sys.stderr, flush=True)
+                  f"full {row.full_ms} ms, graph {row.graph_ms} ms, peak {row.peak_mb} MB "
+                  f"(allocated after: {torch.cuda.memory_allocated() / 2**20:.0f} MB) {row.error or ''}",
+                  file=sys.stderr, flush=True)
         del inputs
+        gc.collect()
         torch.cuda.empty_cache()
     meta = {
         "limits": limits,

@@ -297,11 +297,13 @@ class CrossEntropyFunction(torch.autograd.Function):
         norms = cross_entropy_norms(target, weight, ignore_index, reduction)
         grad = None
         if needs_grad:
-            grad = logits2 if inplace else new_output(logits2.shape, logits2.dtype, logits2.device)
+            # A detached alias, not logits itself: autograd can then adopt the buffer as the
+            # gradient without copying it (it copies tensors that are referenced elsewhere).
+            grad = logits2.detach() if inplace else new_output(logits2.shape, logits2.dtype, logits2.device)
         loss_rows, z_rows, correct = cross_entropy_rows(
             logits2, target, weight, norms, grad, ignore_index, label_smoothing, lse_square_scale, softcap,
             return_token_accuracy)
-        if needs_grad and grad is logits:
+        if needs_grad and inplace and logits2 is logits:
             torch.autograd.graph.increment_version(logits)
         loss = reduce_rows(loss_rows, norms[0], reduction)
         z_loss = reduce_rows(z_rows, norms[1], reduction)
