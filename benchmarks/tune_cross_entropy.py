@@ -16,7 +16,7 @@ def main():
     x = torch.empty(2**30, device="cuda", dtype=torch.bfloat16)
     y = torch.empty_like(x)
     bw = 2 * x.numel() * 2 / do_bench(lambda: y.copy_(x), return_mode="median") / 1e6
-    del x, y
+    x = y = None
     print(f"copy bandwidth {bw:.0f} GB/s")
     for rows, vocab in ((8192, 128256), (4096, 151936), (16384, 32000)):
         logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16)
