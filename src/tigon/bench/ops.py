@@ -278,48 +278,64 @@ def max_rel_err(a, b):
     return max(errs)
 
 
-def run(ops=None, quick=False, out_dir="bench_out"):
+def run_case(index, quick, limits):
+    """Measure every implementation of case `index`; returns its rows."""
     torch._dynamo.config.cache_size_limit = 64
+    cases, _ = all_cases(quick)
+    case = cases[index]
+    inputs = case.make_inputs()
+    with torch.no_grad():  # no grad: nothing is computed in place over the inputs
+        err = max_rel_err(case.impls["tigon"](*inputs), case.impls["torch eager"](*inputs))
+    rows = []
+    for name, fn in case.impls.items():
+        row = Row(case.op, case.shape, name, "bf16", bytes_full=case.bytes_full, flops_full=case.flops_full)
+        measure(fn, inputs, row, limits)
+        if name == "tigon":
+            row.extra["rel_err_vs_eager"] = err
+        rows.append(row)
+        gc.collect()
+        torch.cuda.empty_cache()
+        print(f"  {case.op} {case.shape} {name}: eager-dispatch {row.full_ms} ms, graph {row.graph_ms} ms, "
+              f"peak {row.peak_mb} MB {row.error or ''}", file=sys.stderr, flush=True)
+    return rows
+
+
+def run(ops=None, quick=False, out_dir="bench_out"):
+    """Every case in a process of its own: a peer whose CUDA-graph capture fails (a host sync
+    inside) leaks the capture's memory pool, which would starve the cases after it."""
+    import subprocess
+    import tempfile
+
     os.makedirs(out_dir, exist_ok=True)
     limits = measure_limits()
     cases, liger = all_cases(quick)
-    cases = [c for c in cases if not ops or c.op in ops]
+    selected = [i for i, c in enumerate(cases) if not ops or c.op in ops]
     rows = []
     start = time.time()
-    for i, case in enumerate(cases):
-        inputs = case.make_inputs()
-        with torch.no_grad():  # no grad: nothing is computed in place over the inputs
-            ref = case.impls["torch eager"](*inputs)
-            ours = case.impls["tigon"](*inputs)
-            err = max_rel_err(ours, ref)
-            del ref, ours
-        for name, fn in case.impls.items():
-            row = Row(case.op, case.shape, name, "bf16", bytes_full=case.bytes_full, flops_full=case.flops_full)
-            measure(fn, inputs, row, limits)
-            if name == "tigon":
-                row.extra["rel_err_vs_eager"] = err
-            rows.append(row)
-            gc.collect()  # frees graphs and closures of this implementation before the next
-            torch.cuda.empty_cache()
-            print(f"[{i + 1}/{len(cases)} {time.time() - start:6.1f}s] {case.op} {case.shape} {name}: "
-                  f"full {row.full_ms} ms, graph {row.graph_ms} ms, peak {row.peak_mb} MB "
-                  f"(allocated after: {torch.cuda.memory_allocated() / 2**20:.0f} MB) {row.error or ''}",
-                  file=sys.stderr, flush=True)
-        del inputs
-        gc.collect()
-        torch.cuda.empty_cache()
+    for n, index in enumerate(selected):
+        case = cases[index]
+        print(f"[{n + 1}/{len(selected)} {time.time() - start:6.1f}s] {case.op} {case.shape}", file=sys.stderr, flush=True)
+        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+            cmd = [sys.executable, "-m", "tigon.bench.ops", "--case-index", str(index), "--rows-out", tmp.name,
+                   "--limits", json.dumps(limits)] + (["--quick"] if quick else [])
+            done = subprocess.run(cmd)
+            if done.returncode == 0:
+                rows += [Row(**r) for r in json.load(open(tmp.name))]
+            else:
+                rows.append(Row(case.op, case.shape, "all", "bf16", error=f"case process exited {done.returncode}"))
     meta = {
         "limits": limits,
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
         "liger": getattr(__import__("liger_kernel"), "__version__", "installed") if liger else None,
+        "cce": "installed" if _cce() else None,
     }
     with open(os.path.join(out_dir, "ops.json"), "w") as f:
         json.dump({"meta": meta, "rows": [r.as_dict() for r in rows]}, f, indent=1)
     table = markdown_table(rows)
     header = (f"GPU {limits['gpu']}: copy {limits['copy_gbps']:.0f} GB/s, bf16 matmul "
               f"{limits['matmul_tflops']:.0f} TFLOP/s; torch {meta['torch']}, triton {meta['triton']}, "
-              f"liger {meta['liger']}")
+              f"liger {meta['liger']}, cce {meta['cce']}")
     with open(os.path.join(out_dir, "ops.md"), "w") as f:
         f.write(header + "\n\n" + table + "\n")
     print(header)
@@ -332,7 +348,15 @@ def main(argv=None):
     parser.add_argument("--ops", nargs="*", help="op names to run (default: all)")
     parser.add_argument("--quick", action="store_true", help="one size per op")
     parser.add_argument("--out", default="bench_out", help="folder for ops.json and ops.md")
+    parser.add_argument("--case-index", type=int, help=argparse.SUPPRESS)  # internal: one case, in a child
+    parser.add_argument("--rows-out", help=argparse.SUPPRESS)
+    parser.add_argument("--limits", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.case_index is not None:
+        rows = run_case(args.case_index, args.quick, json.loads(args.limits))
+        with open(args.rows_out, "w") as f:
+            json.dump([r.as_dict() for r in rows], f)
+        return
     run(args.ops, args.quick, args.out)
 
 
