@@ -119,7 +119,10 @@ def measure(fn: Callable, inputs: list, row: Row, limits: dict | None = None) ->
         full()
         torch.cuda.synchronize()
         row.peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
-        row.grads_mb = sum(t.grad.numel() * t.grad.element_size() for t in leaves if t.grad is not None) / 2**20
+        # Gradients written over their own input (in-place implementations) are no new memory.
+        row.grads_mb = sum(t.grad.numel() * t.grad.element_size() for t in leaves
+                           if t.grad is not None and t.grad.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+                           ) / 2**20
         for t in leaves:
             t.grad = None
         try:
