@@ -281,6 +281,18 @@ def reduce_rows(rows, norm, reduction):
     return total / norm if reduction == "mean" else total
 
 
+def reduce_loss_rows(loss_rows, z_rows, correct, norms, target, ignore_index, reduction):
+    """Per-row ce, z-loss and correctness -> (loss including the z-loss, z_loss, token accuracy)."""
+    loss = reduce_rows(loss_rows, norms[0], reduction)
+    z_loss = reduce_rows(z_rows, norms[1], reduction)
+    if z_loss is not None:
+        loss = loss + z_loss
+    accuracy = None
+    if correct is not None:
+        accuracy = correct if reduction == "none" else correct.sum() / (target != ignore_index).sum().clamp_min(1)
+    return loss, z_loss, accuracy
+
+
 class CrossEntropyFunction(torch.autograd.Function):
     """(loss, z_loss, token_accuracy); the last two are None unless asked for. With
     inplace=True (default) the logits buffer is overwritten by its gradient when logits
@@ -305,14 +317,7 @@ class CrossEntropyFunction(torch.autograd.Function):
             return_token_accuracy)
         if needs_grad and inplace and logits2 is logits:
             torch.autograd.graph.increment_version(logits)
-        loss = reduce_rows(loss_rows, norms[0], reduction)
-        z_loss = reduce_rows(z_rows, norms[1], reduction)
-        if z_loss is not None:
-            loss = loss + z_loss
-        accuracy = None
-        if return_token_accuracy:
-            valid = (target != ignore_index).sum().clamp_min(1)
-            accuracy = correct if reduction == "none" else correct.sum() / valid
+        loss, z_loss, accuracy = reduce_loss_rows(loss_rows, z_rows, correct, norms, target, ignore_index, reduction)
         ctx.save_for_backward(grad)
         ctx.has_grad = grad is not None
         extras = [t for t in (z_loss if return_z_loss else None, accuracy) if t is not None]

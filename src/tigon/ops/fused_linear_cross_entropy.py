@@ -25,7 +25,7 @@ from tigon.ops.cross_entropy import (
     check_cross_entropy_options,
     cross_entropy_norms,
     cross_entropy_rows,
-    reduce_rows,
+    reduce_loss_rows,
     scale_rows_,
 )
 
@@ -143,14 +143,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             x2, weight, bias, target, norms, opts, need_dx=need[0] and not deferred,
             need_dw=need[1] and not deferred, need_db=bias is not None and need[3] and not deferred,
             accum_dtype=accum_dtype, chunk_rows=chunk_rows)
-        loss = reduce_rows(loss_rows, norms[0], reduction)
-        z_loss = reduce_rows(z_rows, norms[1], reduction)
-        if z_loss is not None:
-            loss = loss + z_loss
-        accuracy = None
-        if return_token_accuracy:
-            valid = (target != ignore_index).sum().clamp_min(1)
-            accuracy = correct if reduction == "none" else correct.sum() / valid
+        loss, z_loss, accuracy = reduce_loss_rows(loss_rows, z_rows, correct, norms, target, ignore_index, reduction)
         ctx.deferred = deferred
         ctx.x_shape = x.shape
         ctx.param_dtypes = (weight.dtype, None if bias is None else bias.dtype)
