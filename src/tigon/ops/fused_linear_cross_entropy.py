@@ -94,7 +94,7 @@ def flce_chunks(x2, w, bias, target, norms, opts, *, need_dx, need_dw, need_db, 
         if need_dw:
             _accumulate_mm(dw, logits.t(), xc)
         if need_db:
-            db += logits.float().sum(0)
+            db += logits.sum(0, dtype=torch.float32)
     cat = (lambda parts: torch.cat(parts) if parts[0] is not None else None)
     return cat(loss_parts), cat(z_parts), cat(correct_parts), dx, dw, db
 

@@ -53,7 +53,7 @@ class GLUDownProjFunction(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             d_weight = (dout2.t() @ c.to(mm)).to(w.dtype)
         if ctx.needs_input_grad[3]:
-            d_bias = dout2.float().sum(0).to(ctx.bias_dtype)
+            d_bias = dout2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             dc = dout2 @ w.to(mm)
             da_out = dc if dc.dtype == a2.dtype else None
