@@ -4,6 +4,7 @@ import torch
 from tests.helpers import DEVICE, DTYPES, check_op, pick, randn
 from tests.ops.test_cross_entropy import make_target, ref_cross_entropy
 from tigon import functional as F
+from tigon.nn import TigonFusedLinearCrossEntropyLoss
 from tigon.ops.fused_linear_cross_entropy import chunk_rows_for_budget
 
 # (rows, hidden, vocab)
@@ -119,6 +120,22 @@ def test_flce_3d_input_and_token_accuracy():
     torch.testing.assert_close(acc.double(), (logits.argmax(-1) == target).double().mean())
     rows = F.fused_linear_cross_entropy(x, w, target, reduction="none")
     assert rows.shape == (b, t)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_flce_module_called_with_x_weight_target_bias(dtype):
+    n, h, v = SHAPES[0]
+    x = randn((2, n, h), dtype, requires_grad=True)
+    w = randn((v, h), dtype, scale=h**-0.5 * 3, requires_grad=True)
+    b = randn((v,), dtype, scale=0.5, requires_grad=True)
+    target = make_target(2 * n, v, "some").view(2, n)
+    module = TigonFusedLinearCrossEntropyLoss(label_smoothing=0.1, lse_square_scale=1e-3, chunk_budget=8 * v * 4)
+    assert "chunk_budget" in repr(module)
+    check_op(lambda x, w, b: module(x, w, target, bias=b),
+             lambda x, w, b: ref_flce(x.reshape(-1, h), w, target.reshape(-1), b, label_smoothing=0.1,
+                                      lse_square_scale=1e-3),
+             [x, w, b], dtype=dtype, tol=1e-4 if dtype == torch.float32 else 2e-2, what="flce module",
+             noise_floor=2 * 2**-8 if dtype == torch.bfloat16 else 2e-5, worse_than_eager=3.0)
 
 
 def test_chunk_rows_for_budget():

@@ -92,12 +92,16 @@ def _graph_ms(full: Callable, leaves: list) -> float:
     return ms
 
 
-def measure(fn: Callable, inputs: list, row: Row, limits: dict | None = None) -> Row:
-    """Fill row with fwd / bwd / full / graph ms and peak MB of fn(*inputs) on the current device."""
+def measure(fn: Callable, inputs: list, row: Row, limits: dict | None = None, grad_output: float | None = None) -> Row:
+    """Fill row with fwd / bwd / full / graph ms and peak MB of fn(*inputs) on the current device.
+    The backward gets random cotangents, or every element equal to ``grad_output`` when given
+    (1.0: what ``loss.backward()`` passes to a scalar loss)."""
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     try:
         outs = [o for o in _outputs(fn(*inputs)) if o.requires_grad]
-        cotangents = [torch.randn(o.shape, device=o.device, dtype=o.dtype, generator=generator()) for o in outs]
+        cotangents = [torch.randn(o.shape, device=o.device, dtype=o.dtype, generator=generator())
+                      if grad_output is None else torch.full(o.shape, grad_output, device=o.device, dtype=o.dtype)
+                      for o in outs]
 
         def full():
             torch.autograd.backward([o for o in _outputs(fn(*inputs)) if o.requires_grad], cotangents)

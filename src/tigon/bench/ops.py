@@ -30,6 +30,7 @@ class Case:
     impls: dict  # name -> fn(*inputs)
     bytes_full: int | None = None
     flops_full: int | None = None
+    grad_output: float | None = None  # None: random cotangents; a loss's cases use 1 (loss.backward())
 
 
 def _liger():
@@ -225,9 +226,35 @@ def eager_linear_cross_entropy(x, w, target):
     return eager_cross_entropy(x @ w.t(), target)
 
 
+def _grad_output_variants(shape, first):
+    """A loss is timed with grad_output 1 (loss.backward()); the first shape also with 0.5 (a
+    loss weight, or gradient accumulation), where stored gradients must be rescaled."""
+    return [(shape, 1.0)] + ([(f"{shape} go=0.5", 0.5)] if first else [])
+
+
+class ThreeMatmuls(torch.autograd.Function):
+    """The floor of FLCE: logits = x @ w.T forward, dx = g @ w and dw = g.T @ x backward (g: the
+    logits themselves, as a stand-in for their gradient). Time reference, not a loss."""
+
+    @staticmethod
+    def forward(ctx, x, w, target):
+        logits = x @ w.t()
+        ctx.save_for_backward(x, w, logits)
+        return logits.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _grad):
+        x, w, g = ctx.saved_tensors
+        return g @ w, g.t() @ x, None
+
+
+def three_matmuls(x, w, target):
+    return ThreeMatmuls.apply(x, w, target)
+
+
 def cross_entropy_cases(shapes, liger):
     cases = []
-    for rows, vocab in shapes:
+    for i, (rows, vocab) in enumerate(shapes):
         def inputs(rows=rows, vocab=vocab):
             return [_randn(rows, vocab, scale=2.0), _randint(vocab, rows)]
 
@@ -236,13 +263,14 @@ def cross_entropy_cases(shapes, liger):
         if liger:
             impls["liger"] = liger.liger_cross_entropy
         # Read the logits once and write their gradient once.
-        cases.append(Case("cross_entropy", f"{rows}x{vocab}", inputs, impls, bytes_full=2 * rows * vocab * 2))
+        for shape, go in _grad_output_variants(f"{rows}x{vocab}", i == 0):
+            cases.append(Case("cross_entropy", shape, inputs, impls, bytes_full=2 * rows * vocab * 2, grad_output=go))
     return cases
 
 
 def flce_cases(shapes, liger, cce):
     cases = []
-    for rows, hidden, vocab in shapes:
+    for i, (rows, hidden, vocab) in enumerate(shapes):
         def inputs(rows=rows, hidden=hidden, vocab=vocab):
             return [_randn(rows, hidden), _randn(vocab, hidden, scale=hidden**-0.5),
                     _randint(vocab, rows)]
@@ -253,8 +281,10 @@ def flce_cases(shapes, liger, cce):
             impls["liger"] = liger.liger_fused_linear_cross_entropy
         if cce:
             impls["cce"] = cce
-        cases.append(Case("fused_linear_cross_entropy", f"BT{rows} H{hidden} V{vocab}", inputs, impls,
-                          flops_full=3 * 2 * rows * hidden * vocab))
+        impls["3 matmuls (floor)"] = three_matmuls
+        for shape, go in _grad_output_variants(f"BT{rows} H{hidden} V{vocab}", i == 0):
+            cases.append(Case("fused_linear_cross_entropy", shape, inputs, impls,
+                              flops_full=3 * 2 * rows * hidden * vocab, grad_output=go))
     return cases
 
 
@@ -289,7 +319,7 @@ def run_case(index, quick, limits):
     rows = []
     for name, fn in case.impls.items():
         row = Row(case.op, case.shape, name, "bf16", bytes_full=case.bytes_full, flops_full=case.flops_full)
-        measure(fn, inputs, row, limits)
+        measure(fn, inputs, row, limits, grad_output=case.grad_output)
         if name == "tigon":
             row.extra["rel_err_vs_eager"] = err
         rows.append(row)
