@@ -45,9 +45,12 @@ def chunk_rows_for_budget(n_rows: int, vocab: int, element_size: int, budget_byt
     return min(fit, cdiv(rows, 64) * 64) if fit >= 64 else rows
 
 
-def _accumulate_mm(acc, a, b):
-    """acc += a @ b, with fp32 accumulation inside the matmul; acc may be fp32 for bf16 a, b."""
-    if acc.dtype == a.dtype:
+def _accumulate_mm(acc, a, b, first=False):
+    """acc += a @ b (acc = a @ b when first), with fp32 accumulation inside the matmul; acc may
+    be fp32 for bf16 a, b (then it starts zeroed)."""
+    if first and acc.dtype == a.dtype:
+        torch.mm(a, b, out=acc)  # no zero fill, no read of acc: ~2 |dW| bytes saved
+    elif acc.dtype == a.dtype:
         acc.addmm_(a, b)
     elif acc.is_cuda:
         torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
@@ -66,7 +69,12 @@ def flce_chunks(x2, w, bias, target, norms, opts, *, need_dx, need_dw, need_db, 
     wc = w if w.dtype == x2.dtype else w.to(x2.dtype)  # matmuls in x's dtype (as autocast would)
     bc = None if bias is None else bias.to(x2.dtype)
     dx = new_output(x2.shape, x2.dtype, device) if need_dx else None
-    dw = torch.zeros(w.shape, dtype=accum_dtype or w.dtype, device=device) if need_dw else None
+    dw = None
+    if need_dw:
+        dw_dtype = accum_dtype or w.dtype
+        # The first chunk's matmul writes dW outright when it is in the matmul's dtype.
+        first_writes = n_rows > 0 and dw_dtype == x2.dtype
+        dw = (new_output if first_writes else torch.zeros)(w.shape, dtype=dw_dtype, device=device)
     db = torch.zeros(vocab, dtype=torch.float32, device=device) if need_db else None
     loss_parts, z_parts, correct_parts = [], [], []
     logits_buf = torch.empty((min(chunk_rows, n_rows), vocab), dtype=x2.dtype, device=device)
@@ -92,7 +100,7 @@ def flce_chunks(x2, w, bias, target, norms, opts, *, need_dx, need_dw, need_db, 
         if need_dx:
             torch.mm(logits, wc, out=dx[start:stop])
         if need_dw:
-            _accumulate_mm(dw, logits.t(), xc)
+            _accumulate_mm(dw, logits.t(), xc, first=start == 0)
         if need_db:
             db += logits.sum(0, dtype=torch.float32)
     cat = (lambda parts: torch.cat(parts) if parts[0] is not None else None)
