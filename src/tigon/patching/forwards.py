@@ -1,0 +1,223 @@
+"""The forwards the patcher installs on HF modules, shared by every family row.
+
+Each ``make_*`` takes what it needs from the row and returns a plain function
+``forward(self, ...)`` that can be set on a class or bound to one instance. Weights stay where
+they are: the forwards read the HF module's own parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+from torch import nn
+
+from tigon import functional as TF
+from tigon.ops import GLUDownProjFunction, GLUFunction
+
+
+class TigonPatchError(RuntimeError):
+    """A patch cannot be applied as asked (missing HF piece, unsupported activation, ...)."""
+
+
+# ---- RMSNorm ----
+
+def norm_eps(module: nn.Module) -> float:
+    for name in ("variance_epsilon", "eps", "epsilon"):
+        value = getattr(module, name, None)
+        if isinstance(value, float):
+            return value
+    raise TigonPatchError(f"{type(module).__name__} has no variance_epsilon / eps attribute")
+
+
+def make_rms_norm_forward(casting: str, offset: float):
+    def forward(self, hidden_states):
+        return TF.rms_norm(hidden_states, self.weight, norm_eps(self), offset, casting)
+
+    forward._tigon = f"rms_norm(casting={casting}, offset={offset:g})"
+    return forward
+
+
+# ---- gated MLP and MoE experts ----
+
+_PROBE = torch.linspace(-6.0, 6.0, 97, dtype=torch.float64)
+_ACTIVATIONS = {
+    "silu": torch.nn.functional.silu,
+    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+    "gelu_erf": torch.nn.functional.gelu,
+}
+
+
+def identify_activation(act: nn.Module | None) -> str | None:
+    """Which of tigon's GLU activations ``act`` computes ("silu", "gelu_tanh", "gelu_erf"),
+    found by evaluating it (names vary between HF versions; the function does not)."""
+    if act is None:
+        return None
+    try:
+        with torch.no_grad():
+            y = act(_PROBE.to(torch.float32)).to(torch.float64)
+    except Exception:  # noqa: BLE001 - an activation we cannot evaluate is one we do not know
+        return None
+    for name, ref in _ACTIVATIONS.items():
+        if torch.allclose(y, ref(_PROBE), atol=1e-5, rtol=1e-5):
+            return name
+    return None
+
+
+def mlp_activation(module: nn.Module) -> str:
+    """The module's activation as a tigon name, cached on the instance; error if unsupported."""
+    cached = module.__dict__.get("_tigon_activation")
+    if cached:
+        return cached
+    act = getattr(module, "act_fn", None) or getattr(module, "activation_fn", None)
+    name = identify_activation(act)
+    if name is None:
+        raise TigonPatchError(f"{type(module).__name__}: activation {act!r} is not one tigon fuses "
+                              f"(SiLU, GELU tanh, GELU erf); patch with swiglu=False")
+    module.__dict__["_tigon_activation"] = name
+    return name
+
+
+def _glu_then_down(module, gate, up, down):
+    activation = mlp_activation(module)
+    if type(down) is nn.Linear:  # plain Linear: fuse, recompute the activation in the backward
+        return GLUDownProjFunction.apply(gate, up, down.weight, down.bias, activation)
+    return down(GLUFunction.apply(gate, up, activation))  # LoRA / quantised layers keep their forward
+
+
+def make_mlp_forward(layout: str):
+    if layout == "gate_up_down":
+        def forward(self, x):
+            return _glu_then_down(self, self.gate_proj(x), self.up_proj(x), self.down_proj)
+    elif layout == "fused_gate_up":
+        def forward(self, x):
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return _glu_then_down(self, gate, up, self.down_proj)
+    else:
+        raise ValueError(f"unknown MLP layout {layout!r}")
+    forward._tigon = f"gated MLP ({layout})"
+    return forward
+
+
+def tigon_apply_gate(self, gate_up_out):
+    """HF's MoE ``_apply_gate``: act(gate) * up of a [S, 2I] gate/up projection, fused."""
+    gate, up = gate_up_out.chunk(2, dim=-1)
+    return GLUFunction.apply(gate, up, mlp_activation(self))
+
+
+def make_experts_forward(original):
+    """Stacked experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]): the eager loop with the
+    gate fused; other HF experts implementations run their own code, which calls _apply_gate."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        if getattr(getattr(self, "config", None), "_experts_implementation", None) not in (None, "eager"):
+            return original(self, hidden_states, top_k_index, top_k_weights)
+        out = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert in hit[:, 0].tolist():
+            if expert == self.num_experts:
+                continue
+            pos, token = torch.where(mask[expert])
+            gate_up = nn.functional.linear(hidden_states[token], self.gate_up_proj[expert])
+            h = nn.functional.linear(tigon_apply_gate(self, gate_up), self.down_proj[expert])
+            out.index_add_(0, token, (h * top_k_weights[token, pos, None]).to(out.dtype))
+        return out
+
+    forward._tigon = "MoE experts (gate fused)"
+    return forward
+
+
+# ---- RoPE ----
+
+def tigon_apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+    """Drop-in for HF's ``apply_rotary_pos_emb(q, k, cos, sin, [position_ids,] unsqueeze_dim=1)``."""
+    unsqueeze_dim = kwargs.pop("unsqueeze_dim", 1)
+    position_ids = kwargs.pop("position_ids", None)
+    if args:  # old signature (q, k, cos, sin, position_ids, unsqueeze_dim): HF ignored position_ids
+        unsqueeze_dim = args[1] if len(args) > 1 else unsqueeze_dim
+    return TF.apply_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim)
+
+
+tigon_apply_rotary_pos_emb._tigon = "rope"
+
+
+# ---- causal-LM loss ----
+
+def shifted_labels(labels, shift_labels, ignore_index):
+    """HF's ForCausalLMLoss targets: labels shifted left by one, ignore_index appended."""
+    if shift_labels is not None:
+        return shift_labels
+    return nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mode="flce"):
+    """Wrap a *ForCausalLM.forward. With labels and the model in training (or ``skip_logits=True``),
+    mode "flce" computes the loss from the last hidden state and the lm_head weight without the
+    logits (``logits`` is None in the output); mode "cross_entropy" computes the logits as HF
+    does and the loss with tigon's cross entropy. Without labels, or in eval, HF's forward runs
+    unchanged. Honours num_items_in_batch, shift_labels, ignore_index, logits_to_keep, Gemma's
+    final_logit_softcapping, Granite's logits_scaling and MoE auxiliary losses."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        skip_logits = kwargs.pop("skip_logits", None)
+        bound = signature.bind(self, *args, **kwargs)
+        labels = bound.arguments.get("labels")
+        if skip_logits is None:
+            skip_logits = labels is not None and self.training
+        if labels is None or not skip_logits and mode == "flce":
+            return original(*bound.args, **bound.kwargs)
+        extra = bound.arguments.get("kwargs", {})
+        return_dict = extra.pop("return_dict", None) if "return_dict" not in signature.parameters else \
+            bound.arguments.pop("return_dict", None)
+        bound.arguments["labels"] = None
+        head = self.get_output_embeddings()
+        captured = {}
+
+        def capture(hidden):
+            captured["hidden"] = hidden
+            return hidden.new_empty(*hidden.shape[:-1], 0)  # softcap / scaling on it cost nothing
+
+        if mode == "flce":
+            head.forward = capture
+        try:
+            out = original(*bound.args, **bound.kwargs)
+        finally:
+            if mode == "flce":
+                del head.forward
+        ignore_index = extra.get("ignore_index", -100)
+        target = shifted_labels(labels, extra.get("shift_labels"), ignore_index)
+        num_items = extra.get("num_items_in_batch")
+        reduction = "sum" if num_items is not None else "mean"
+        config = self.config
+        softcap = getattr(config, softcap_attr, None) if softcap_attr else None
+        if mode == "flce":
+            hidden = captured["hidden"]
+            if target.shape[-1] != hidden.shape[-2]:  # logits_to_keep: the kept positions' targets
+                target = target[..., -hidden.shape[-2]:]
+            if divisor_attr and getattr(config, divisor_attr, None):
+                hidden = hidden / getattr(config, divisor_attr)
+            loss = TF.fused_linear_cross_entropy(hidden, head.weight, target.to(hidden.device), head.bias,
+                                                 ignore_index=ignore_index, reduction=reduction, softcap=softcap)
+            logits = None
+        else:
+            logits = out.logits
+            if target.shape[-1] != logits.shape[-2]:
+                target = target[..., -logits.shape[-2]:]
+            loss = TF.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1).to(logits.device),
+                                    ignore_index=ignore_index, reduction=reduction, inplace=False)
+        if num_items is not None:
+            loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+        aux = getattr(out, "aux_loss", None)
+        if aux is not None and getattr(self, "router_aux_loss_coef", None):
+            loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
+        fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
+        result = type(out)(loss=loss, logits=logits, **fields)
+        return result.to_tuple() if return_dict is False else result
+
+    forward._tigon = f"causal-LM loss ({'fused linear cross entropy, no logits' if mode == 'flce' else 'cross entropy'})"
+    return forward

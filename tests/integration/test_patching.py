@@ -1,0 +1,214 @@
+"""Convergence of patched HF models against the same models unpatched, for every family row.
+
+Tiny random configs (vocab 1000, hidden 64, 2 layers), fp32, built offline. The reference
+(HF's own code) always runs before anything is patched: RoPE is replaced module-wide.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import tigon
+from tests.helpers import DEVICE, pick
+from tigon.patching import FAMILIES, Family, TigonPatchError, apply_family
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+SIZE = pick(cpu=dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+            gpu=dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                     num_attention_heads=8, num_key_value_heads=4, head_dim=64))
+BATCH, SEQ = pick(cpu=(2, 16), gpu=(4, 256))
+# What a tiny model of each family needs beyond SIZE (the options each family's patch handles).
+EXTRA = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1],
+                      output_router_logits=True, router_aux_loss_coef=0.1),
+    "gemma2": dict(final_logit_softcapping=30.0, sliding_window=8),
+    "gemma3_text": dict(final_logit_softcapping=30.0, sliding_window=8),
+    "granite": dict(logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.25),
+    "phi3": dict(partial_rotary_factor=0.5, pad_token_id=0),
+    "glm4": dict(partial_rotary_factor=0.5, pad_token_id=0),
+}
+MODEL_TYPES = [t for f in FAMILIES.values() for t in f.model_types]
+STEPS = 3
+
+
+@pytest.fixture(autouse=True)
+def _unpatched_after():
+    tigon.unpatch()
+    yield
+    tigon.unpatch()
+
+
+def tiny_model(model_type, **overrides):
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **{**SIZE, **EXTRA.get(model_type, {}), **overrides})
+    return AutoModelForCausalLM.from_config(config).to(DEVICE)
+
+
+def batch(vocab):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
+    labels = ids.clone()
+    labels[0, : SEQ // 3] = -100  # a masked prompt
+    return ids.to(DEVICE), labels.to(DEVICE)
+
+
+def train(model, ids, labels, steps=STEPS, **forward_kwargs):
+    """AdamW steps; returns (losses, first step's gradients by name, inference logits after)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, grads = [], None
+    model.train()
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=labels, **forward_kwargs)
+        out.loss.backward()
+        losses.append(out.loss.item())
+        if grads is None:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    return losses, grads, logits
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def assert_same_training(ref, ours, grad_tol=1e-4, loss_tol=1e-5, logits_tol=1e-4):
+    (ref_losses, ref_grads, ref_logits), (our_losses, our_grads, our_logits) = ref, ours
+    for step, (a, b) in enumerate(zip(our_losses, ref_losses)):
+        assert abs(a - b) <= loss_tol * abs(b), f"step {step}: loss {a} vs HF {b}"
+    assert our_grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        assert rel(our_grads[name], g) <= grad_tol, f"gradient of {name}: relative error {rel(our_grads[name], g):.2e}"
+    assert rel(our_logits, ref_logits) <= logits_tol, f"logits: relative error {rel(our_logits, ref_logits):.2e}"
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_patched_family_trains_like_hf(model_type):
+    model = tiny_model(model_type)
+    patched = copy.deepcopy(model)
+    ids, labels = batch(model.config.vocab_size)
+    ref = train(model, ids, labels)
+    report = tigon.patch(patched)
+    family = tigon.patching.BY_MODEL_TYPE[model_type]
+    expected = {"rms_norm", "swiglu", "loss"} | ({"rope"} if family.rope else set())
+    assert expected <= report.pieces(), str(report)
+    assert_same_training(ref, train(patched, ids, labels))
+
+
+def test_class_patch_before_build_then_unpatch():
+    model = tiny_model("llama")
+    ids, labels = batch(model.config.vocab_size)
+    ref = train(copy.deepcopy(model), ids, labels)
+    report = tigon.patch_llama()
+    assert report.target.endswith("classes") and {"rms_norm", "swiglu", "rope", "loss"} <= report.pieces()
+    built_after = tiny_model("llama")  # same seed: same weights as `model`
+    assert hasattr(type(built_after.model.norm).forward, "_tigon")
+    assert_same_training(ref, train(built_after, ids, labels))
+    assert tigon.unpatch() > 0
+    assert not hasattr(type(built_after.model.norm).forward, "_tigon")
+    from transformers.models.llama import modeling_llama
+    assert not hasattr(modeling_llama.apply_rotary_pos_emb, "_tigon")
+
+
+def test_patch_options_select_pieces():
+    model = tiny_model("qwen2")
+    report = tigon.patch_qwen2(rope=False, swiglu=False, fused_linear_cross_entropy=False, model=model)
+    assert report.pieces() == {"rms_norm"}
+    assert "_tigon_activation" not in model.model.layers[0].mlp.__dict__
+    assert "forward" not in model.model.layers[0].mlp.__dict__
+
+
+def test_loss_honours_num_items_in_batch_logits_to_keep_and_eval():
+    model = tiny_model("llama")
+    ids, labels = batch(model.config.vocab_size)
+    n_items = torch.tensor(7)
+    with torch.no_grad():
+        model.train()
+        ref_sum = model(input_ids=ids, labels=labels, num_items_in_batch=n_items).loss
+        model.eval()
+        ref_eval = model(input_ids=ids, labels=labels)
+        ref_keep = model(input_ids=ids, logits_to_keep=3).logits
+    tigon.patch(model)
+    with torch.no_grad():
+        model.train()
+        out = model(input_ids=ids, labels=labels, num_items_in_batch=n_items)
+        assert out.logits is None  # training with labels: no logits
+        assert torch.allclose(out.loss, ref_sum, rtol=1e-5)
+        kept = model(input_ids=ids, labels=labels, skip_logits=True, logits_to_keep=SEQ - 4)
+        model.eval()
+        ev = model(input_ids=ids, labels=labels)  # eval: HF's path, logits and loss
+        assert ev.logits is not None and torch.allclose(ev.loss, ref_eval.loss, rtol=1e-5)
+        assert torch.allclose(ev.logits, ref_eval.logits, rtol=1e-4, atol=1e-5)
+        assert torch.allclose(model(input_ids=ids, logits_to_keep=3).logits, ref_keep, rtol=1e-4, atol=1e-5)
+        as_tuple = model(input_ids=ids, labels=labels, skip_logits=True, return_dict=False)
+        assert isinstance(as_tuple, tuple) and torch.allclose(as_tuple[0], ref_eval.loss, rtol=1e-5)
+    # logits_to_keep with labels: the loss over the kept positions' next tokens.
+    full_logits = ref_eval.logits[:, -(SEQ - 4):]
+    target = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:][:, -(SEQ - 4):]
+    expect = torch.nn.functional.cross_entropy(full_logits.reshape(-1, full_logits.shape[-1]).double(),
+                                               target.reshape(-1))
+    assert torch.allclose(kept.loss.double(), expect, rtol=1e-5)
+
+
+def test_cross_entropy_mode_keeps_logits():
+    model = tiny_model("mistral")
+    ids, labels = batch(model.config.vocab_size)
+    ref = train(copy.deepcopy(model), ids, labels)
+    report = tigon.patch(model, fused_linear_cross_entropy=False, cross_entropy=True)
+    assert "cross entropy" in str(report)
+    model.train()
+    assert model(input_ids=ids, labels=labels).logits is not None
+    assert_same_training(ref, train(model, ids, labels))
+
+
+def test_missing_hf_piece_is_a_clear_error():
+    broken = Family("llama_renamed", ("nope",), "transformers.models.llama.modeling_llama", "LlamaForCausalLM",
+                    ("LlamaRMSNormRenamed",), mlps=("LlamaMLP",))
+    with pytest.raises(TigonPatchError, match=r"llama_renamed: transformers .* has no LlamaRMSNormRenamed .*rms_norm"):
+        apply_family(broken)
+    assert tigon.unpatch() == 0  # nothing was changed before the error
+    missing_module = Family("ghost", ("ghost",), "transformers.models.ghost.modeling_ghost", "GhostForCausalLM")
+    with pytest.raises(TigonPatchError, match="ghost: transformers .* has no module"):
+        apply_family(missing_module)
+
+
+def test_unsupported_activation_is_refused():
+    model = tiny_model("llama", hidden_act="relu")
+    with pytest.raises(TigonPatchError, match="relu|ReLU"):
+        tigon.patch(model)
+    tigon.patch(model, swiglu=False)  # the rest still patches
+
+
+def test_unknown_family_is_patched_by_structure():
+    from transformers.models.llama import modeling_llama
+
+    class MyRMSNorm(modeling_llama.LlamaRMSNorm):
+        pass
+
+    model = tiny_model("llama")
+    model.model.norm = MyRMSNorm(model.config.hidden_size, eps=1e-5).to(DEVICE)
+    model.config.model_type = "my_llama"
+    ids, labels = batch(model.config.vocab_size)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    report = tigon.patch(model)
+    assert {"rms_norm", "swiglu"} == report.pieces(), str(report)
+    assert any("MyRMSNorm" in what for _, what, _ in report.replaced)
+    assert {piece for piece, _ in report.skipped} == {"rope", "loss"}
+    with torch.no_grad():
+        assert rel(model(input_ids=ids).logits, ref) < 1e-5
+
+
+def test_auto_model_returns_a_patched_model():
+    config = AutoConfig.for_model("qwen3", **SIZE)
+    model = tigon.AutoModelForCausalLM.from_config(config, rope=False)
+    assert model.tigon_report.pieces() == {"rms_norm", "swiglu", "loss"}
+    assert "forward" in model.model.norm.__dict__
