@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-_PATCH_OPTIONS = ("rope", "rms_norm", "swiglu", "fused_linear_cross_entropy", "cross_entropy")
+_PATCH_OPTIONS = ("rope", "rms_norm", "swiglu", "fused_linear_cross_entropy", "cross_entropy", "chunk_budget")
 
 
 def _split(kwargs):
@@ -12,7 +12,7 @@ def _split(kwargs):
 
 class AutoModelForCausalLM:
     """``from_pretrained`` / ``from_config`` as transformers', then ``tigon.patch(model, ...)``.
-    Patch options (rope, rms_norm, swiglu, fused_linear_cross_entropy, cross_entropy) may be
+    Patch options (rope, rms_norm, swiglu, fused_linear_cross_entropy, cross_entropy, chunk_budget) may be
     passed among the keyword arguments; the PatchReport is on ``model.tigon_report``."""
 
     @classmethod

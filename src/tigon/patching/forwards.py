@@ -153,13 +153,14 @@ def shifted_labels(labels, shift_labels, ignore_index):
     return nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
-def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mode="flce"):
+def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mode="flce", chunk_budget=None):
     """Wrap a *ForCausalLM.forward. With labels and the model in training (or ``skip_logits=True``),
     mode "flce" computes the loss from the last hidden state and the lm_head weight without the
     logits (``logits`` is None in the output); mode "cross_entropy" computes the logits as HF
     does and the loss with tigon's cross entropy. Without labels, or in eval, HF's forward runs
     unchanged. Honours num_items_in_batch, shift_labels, ignore_index, logits_to_keep, Gemma's
-    final_logit_softcapping, Granite's logits_scaling and MoE auxiliary losses."""
+    final_logit_softcapping, Granite's logits_scaling and MoE auxiliary losses. ``chunk_budget``:
+    bytes of logits an FLCE chunk may hold (None: FLCE's default, 512 MiB)."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -202,7 +203,8 @@ def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mo
             if divisor_attr and getattr(config, divisor_attr, None):
                 hidden = hidden / getattr(config, divisor_attr)
             loss = TF.fused_linear_cross_entropy(hidden, head.weight, target.to(hidden.device), head.bias,
-                                                 ignore_index=ignore_index, reduction=reduction, softcap=softcap)
+                                                 ignore_index=ignore_index, reduction=reduction, softcap=softcap,
+                                                 chunk_budget=chunk_budget)
             logits = None
         else:
             logits = out.logits

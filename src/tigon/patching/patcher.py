@@ -120,7 +120,7 @@ def _instances(model: nn.Module, cls: type) -> list[nn.Module]:
 
 
 def apply_family(family: Family, *, rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True,
-                 cross_entropy=False, model: nn.Module | None = None) -> PatchReport:
+                 cross_entropy=False, model: nn.Module | None = None, chunk_budget: int | None = None) -> PatchReport:
     """Patch the classes of ``family`` (model None) or the modules of ``model``; see patch_<family>."""
     if fused_linear_cross_entropy and cross_entropy:
         raise ValueError("pass at most one of fused_linear_cross_entropy and cross_entropy")
@@ -185,7 +185,7 @@ def apply_family(family: Family, *, rope=True, rms_norm=True, swiglu=True, fused
         original = lm_class.forward
         original = getattr(original, "_tigon_original", original)
         fwd = make_causal_lm_forward(original, softcap_attr=family.logit_softcap, divisor_attr=family.logit_divisor,
-                                     mode=mode)
+                                     mode=mode, chunk_budget=chunk_budget)
         fwd._tigon_original = original
         put(lm_class, "forward", fwd, "loss", f"{lm_class.__name__} ({fwd._tigon})")
     log.info("%s", report)
@@ -277,7 +277,7 @@ def _merge_counts(items):
 
 
 def patch(model: nn.Module, *, rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True,
-          cross_entropy=False) -> PatchReport:
+          cross_entropy=False, chunk_budget: int | None = None) -> PatchReport:
     """Patch a built HF model in place. Known families (by ``config.model_type``) get their
     row of the family table; others get what tigon recognises by structure (RMSNorm-like
     modules whose output matches a known formula, gate/up/down MLPs with a fused activation)."""
@@ -286,7 +286,7 @@ def patch(model: nn.Module, *, rope=True, rms_norm=True, swiglu=True, fused_line
     if family is not None:
         return apply_family(family, rope=rope, rms_norm=rms_norm, swiglu=swiglu,
                             fused_linear_cross_entropy=fused_linear_cross_entropy, cross_entropy=cross_entropy,
-                            model=model)
+                            model=model, chunk_budget=chunk_budget)
     report = PatchReport(f"unknown model_type {model_type!r}, by structure", type(model).__name__)
     _patch_by_structure(model, report, rms_norm, swiglu)
     if rope:
@@ -299,10 +299,10 @@ def patch(model: nn.Module, *, rope=True, rms_norm=True, swiglu=True, fused_line
 
 def _make_family_patcher(family: Family):
     def patch_family(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True, cross_entropy=False,
-                     model=None) -> PatchReport:
+                     model=None, chunk_budget=None) -> PatchReport:
         return apply_family(family, rope=rope, rms_norm=rms_norm, swiglu=swiglu,
                             fused_linear_cross_entropy=fused_linear_cross_entropy, cross_entropy=cross_entropy,
-                            model=model)
+                            model=model, chunk_budget=chunk_budget)
 
     patch_family.__name__ = f"patch_{family.name}"
     patch_family.__doc__ = (
@@ -310,7 +310,8 @@ def _make_family_patcher(family: Family):
         "built, or the modules of an already-built ``model`` in place (weights kept). Returns a PatchReport.\n\n"
         "rope: HF's apply_rotary_pos_emb (module-wide); rms_norm: every RMSNorm; swiglu: the gated MLP "
         "activation (and MoE experts); fused_linear_cross_entropy: the training loss without the logits; "
-        "cross_entropy: the loss with tigon's cross entropy over materialised logits (instead of FLCE)."
+        "cross_entropy: the loss with tigon's cross entropy over materialised logits (instead of FLCE); "
+        "chunk_budget: bytes of logits an FLCE chunk may hold (default 512 MiB; less memory, a little slower)."
     )
     return patch_family
 
