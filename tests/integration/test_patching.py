@@ -265,3 +265,37 @@ def test_hf_trainer_with_a_patched_model_matches_unpatched(tmp_path):
     ours = fit(patched, "tigon")
     assert len(ours) == len(ref) == 3
     assert ours == pytest.approx(ref, rel=1e-4)
+
+
+def test_trl_sft_trainer_with_a_patched_model_matches_unpatched(tmp_path):
+    """TRL's SFTTrainer on a patched model (tiny word-level tokenizer built offline). TRL >= 1.16
+    scores tokens with its own fused LM head, so here tigon supplies the norms, RoPE and MLP
+    and TRL the loss; the losses match the unpatched model's."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
+    words = "the cat sat on a mat and dog ran to park".split()
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    data = Dataset.from_dict({"text": ["the cat sat on a mat", "a dog ran to the park and sat", "the dog sat"] * 4})
+
+    def fit(model, name):
+        args = SFTConfig(output_dir=str(tmp_path / name), max_steps=3, per_device_train_batch_size=2,
+                         gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=1, save_strategy="no",
+                         report_to=[], use_cpu=DEVICE == "cpu", seed=0, max_length=16)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    model = tiny_model("llama", vocab_size=64, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    patched = copy.deepcopy(model)
+    ref = fit(model, "hf")
+    assert {"rms_norm", "rope", "swiglu"} <= tigon.patch(patched).pieces()
+    ours = fit(patched, "tigon")
+    assert len(ours) == len(ref) == 3
+    assert ours == pytest.approx(ref, rel=5e-4)
