@@ -1,0 +1,88 @@
+"""Where the peak memory of a training step goes: the peak allocated memory between
+consecutive module hooks (forward and backward of every decoder layer, the embedding, the
+final norm) during one step of benchmarks/train_hf.py's setup, with what was allocated there.
+Run on a CUDA machine: ``PYTHONPATH=src:benchmarks python benchmarks/memory_peak.py --shape llama-1b [--impl tigon|hf]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from train_hf import SHAPES  # noqa: E402 - run with benchmarks/ on sys.path
+
+GiB = 2**30
+
+
+class Probe:
+    """Peak allocated memory per segment between hook events."""
+
+    def __init__(self):
+        self.rows = []
+        self.last = "start"
+
+    def mark(self, name):
+        torch.cuda.synchronize()
+        self.rows.append((self.last, name, torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()))
+        torch.cuda.reset_peak_memory_stats()
+        self.last = name
+
+    def attach(self, module, name):
+        module.register_forward_pre_hook(lambda *a: self.mark(f"{name} fwd start"))
+        module.register_forward_hook(lambda *a: self.mark(f"{name} fwd end"))
+        module.register_full_backward_pre_hook(lambda *a: self.mark(f"{name} bwd start"))
+        module.register_full_backward_hook(lambda *a: self.mark(f"{name} bwd end"))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="llama-1b", choices=list(SHAPES))
+    p.add_argument("--impl", default="tigon")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=1024)
+    args = p.parse_args()
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import tigon
+
+    model_type, kw = SHAPES[args.shape]
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **kw)
+    config._attn_implementation = "sdpa"
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    if args.impl == "tigon":
+        tigon.patch(model)
+    model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device="cuda")
+    for _ in range(2):  # optimizer state exists from here on
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    probe = Probe()
+    inner = model.get_decoder()
+    probe.attach(inner.embed_tokens, "embed")
+    for i, layer in enumerate(inner.layers):
+        probe.attach(layer, f"layer{i}")
+    probe.attach(inner.norm, "final norm")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    probe.mark("step start")
+    loss = model(input_ids=ids, labels=ids).loss
+    probe.mark("loss computed")
+    loss.backward()
+    probe.mark("backward done")
+    opt.step()
+    probe.mark("optimizer step done")
+    rows = sorted(probe.rows, key=lambda r: -r[2])
+    print(f"{args.impl} {args.shape}: segments with the highest peaks (GiB: peak, allocated at the segment's end)")
+    for before, after, peak, alloc in rows[:12]:
+        print(f"  {peak / GiB:6.2f} {alloc / GiB:6.2f}  {before} -> {after}")
+
+
+if __name__ == "__main__":
+    main()
