@@ -31,6 +31,12 @@ EXTRA = {
     "granite": dict(logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.25),
     "phi3": dict(partial_rotary_factor=0.5, pad_token_id=0),
     "glm4": dict(partial_rotary_factor=0.5, pad_token_id=0),
+    "smollm3": dict(pad_token_id=0),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                      output_router_logits=True, router_aux_loss_coef=0.1),
+    "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                     n_group=1, topk_group=1, pad_token_id=0),
+    "seed_oss": dict(attention_dropout=0.0, residual_dropout=0.0),  # dropout draws differ between runs
 }
 MODEL_TYPES = [t for f in FAMILIES.values() for t in f.model_types]
 STEPS = 3

@@ -53,6 +53,22 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("olmo2", ("olmo2",), _m("olmo2"), "Olmo2ForCausalLM", ("Olmo2RMSNorm",), "gemma", mlps=("Olmo2MLP",)),
     Family("glm4", ("glm4",), _m("glm4"), "Glm4ForCausalLM", ("Glm4RMSNorm",), rope=None, mlps=("Glm4MLP",),
            mlp_layout="fused_gate_up", note="rope: GLM-4 rotates interleaved pairs; tigon's RoPE is half-split"),
+    # Further families with the same pieces (each one is a row here and a convergence test).
+    Family("ministral", ("ministral",), _m("ministral"), "MinistralForCausalLM", ("MinistralRMSNorm",),
+           mlps=("MinistralMLP",)),
+    Family("smollm3", ("smollm3",), _m("smollm3"), "SmolLM3ForCausalLM", ("SmolLM3RMSNorm",), mlps=("SmolLM3MLP",)),
+    Family("qwen2_moe", ("qwen2_moe",), _m("qwen2_moe"), "Qwen2MoeForCausalLM", ("Qwen2MoeRMSNorm",),
+           mlps=("Qwen2MoeMLP",), experts="Qwen2MoeExperts"),
+    Family("olmo3", ("olmo3",), _m("olmo3"), "Olmo3ForCausalLM", ("Olmo3RMSNorm",), "gemma", mlps=("Olmo3MLP",)),
+    Family("exaone4", ("exaone4",), _m("exaone4"), "Exaone4ForCausalLM", ("Exaone4RMSNorm",), mlps=("Exaone4MLP",)),
+    Family("seed_oss", ("seed_oss",), _m("seed_oss"), "SeedOssForCausalLM", ("SeedOssRMSNorm",),
+           mlps=("SeedOssMLP",)),
+    Family("hunyuan_v1_dense", ("hunyuan_v1_dense",), _m("hunyuan_v1_dense"), "HunYuanDenseV1ForCausalLM",
+           ("HunYuanDenseV1RMSNorm",), mlps=("HunYuanDenseV1MLP",)),
+    Family("helium", ("helium",), _m("helium"), "HeliumForCausalLM", ("HeliumRMSNorm",), "gemma", rope=None,
+           mlps=("HeliumMLP",), note="rope: Helium rotates interleaved pairs; tigon's RoPE is half-split"),
+    Family("glm4_moe", ("glm4_moe",), _m("glm4_moe"), "Glm4MoeForCausalLM", ("Glm4MoeRMSNorm",),
+           mlps=("Glm4MoeMLP",), experts="Glm4MoeExperts"),
 )}
 
 BY_MODEL_TYPE: dict[str, Family] = {t: f for f in FAMILIES.values() for t in f.model_types}
