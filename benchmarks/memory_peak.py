@@ -41,6 +41,7 @@ def main():
     p.add_argument("--impl", default="tigon")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--top", type=int, default=12)
     args = p.parse_args()
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -68,6 +69,9 @@ def main():
     probe.attach(inner.embed_tokens, "embed")
     for i, layer in enumerate(inner.layers):
         probe.attach(layer, f"layer{i}")
+    for name, sub in inner.layers[0].named_modules():  # finer segments inside layer 0
+        if name and "." not in name.replace("self_attn.", "").replace("mlp.", ""):
+            probe.attach(sub, f"layer0.{name}")
     probe.attach(inner.norm, "final norm")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -80,7 +84,7 @@ def main():
     probe.mark("optimizer step done")
     rows = sorted(probe.rows, key=lambda r: -r[2])
     print(f"{args.impl} {args.shape}: segments with the highest peaks (GiB: peak, allocated at the segment's end)")
-    for before, after, peak, alloc in rows[:12]:
+    for before, after, peak, alloc in rows[:args.top]:
         print(f"  {peak / GiB:6.2f} {alloc / GiB:6.2f}  {before} -> {after}")
 
 
