@@ -29,6 +29,7 @@ def bench(fn):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
+    parser.add_argument("--budgets", default="32,64,128,256,512,1024,2048", help="MiB, comma-separated")
     args = parser.parse_args()
     rows_out = []
     torch.manual_seed(0)
@@ -45,7 +46,7 @@ def main():
         flops = 3 * 2 * bt * hidden * vocab
         print(f"BT{bt} H{hidden} V{vocab}: matmuls fwd {t_fwd:.2f} dx {t_dx:.2f} dW {t_dw:.2f} = {floor:.2f} ms "
               f"({flops / floor / 1e9:.0f} TFLOP/s)", flush=True)
-        for budget_mib in (32, 64, 128, 256, 512, 1024, 2048):
+        for budget_mib in [int(v) for v in args.budgets.split(",")]:
             for go in (1.0, 0.5):
                 def step():
                     x.grad = w.grad = None
