@@ -305,3 +305,26 @@ def test_trl_sft_trainer_with_a_patched_model_matches_unpatched(tmp_path):
     ours = fit(patched, "tigon")
     assert len(ours) == len(ref) == 3
     assert ours == pytest.approx(ref, rel=5e-4)
+
+
+def test_patched_context_undoes_only_its_own_patches():
+    outer = tiny_model("qwen3")
+    tigon.patch(outer, rope=False)
+    model = tiny_model("llama")
+    ids, _ = batch(model.config.vocab_size)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    with tigon.patched(model) as report:
+        assert {"rms_norm", "swiglu", "rope", "loss"} <= report.pieces()
+        assert "forward" in model.model.norm.__dict__
+        with torch.no_grad():
+            assert rel(model(input_ids=ids).logits, ref) < 1e-5
+    assert "forward" not in model.model.norm.__dict__
+    from transformers.models.llama import modeling_llama
+    assert not hasattr(modeling_llama.apply_rotary_pos_emb, "_tigon")
+    assert "forward" in outer.model.norm.__dict__  # the earlier patch stays
+    with tigon.patched(family="gemma", rope=False) as report:
+        assert report.target.endswith("classes")
+        from transformers.models.gemma import modeling_gemma
+        assert hasattr(modeling_gemma.GemmaRMSNorm.forward, "_tigon")
+    assert not hasattr(modeling_gemma.GemmaRMSNorm.forward, "_tigon")

@@ -8,6 +8,7 @@ so ``unpatch`` can restore what was there.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import logging
@@ -48,10 +49,13 @@ def _set(owner, name, value):
         owner.__dict__[name] = value  # instance attribute (nn.Module.__setattr__ would register modules)
 
 
-def unpatch() -> int:
-    """Undo every tigon patch (classes, module functions, instances). Returns how many."""
+def unpatch(keep: int = 0) -> int:
+    """Undo every tigon patch (classes, module functions, instances), or all but the first
+    ``keep`` recorded ones. Returns how many were undone."""
     count = 0
-    for owner, name, value, had in reversed(list(_ORIGINALS.values())):
+    entries = list(_ORIGINALS.items())[keep:]
+    for key, (owner, name, value, had) in reversed(entries):
+        del _ORIGINALS[key]
         if had:
             setattr(owner, name, value) if isinstance(owner, (type, types.ModuleType)) else \
                 owner.__dict__.__setitem__(name, value)
@@ -60,8 +64,24 @@ def unpatch() -> int:
             if name in target:
                 delattr(owner, name) if isinstance(owner, (type, types.ModuleType)) else target.pop(name)
         count += 1
-    _ORIGINALS.clear()
     return count
+
+
+@contextlib.contextmanager
+def patched(model: nn.Module | None = None, family: str | None = None, **options):
+    """``with tigon.patched(model): ...`` patches ``model`` (or, with ``family="llama"`` and no
+    model, that family's classes) for the block and undoes exactly those patches after it.
+    Yields the PatchReport."""
+    keep = len(_ORIGINALS)
+    try:
+        if model is not None:
+            yield patch(model, **options)
+        elif family is not None:
+            yield apply_family(FAMILIES[family], **options)
+        else:
+            raise ValueError("give a model, or a family name")
+    finally:
+        unpatch(keep)
 
 
 @dataclass
