@@ -1,0 +1,15 @@
+"""Chunked post-training losses: the logits are never formed for the whole batch."""
+
+from tigon.losses.preference import (
+    TigonCPOLoss,
+    TigonDPOLoss,
+    TigonORPOLoss,
+    TigonSimPOLoss,
+    cpo_loss,
+    dpo_loss,
+    orpo_loss,
+    simpo_loss,
+)
+
+__all__ = ["TigonCPOLoss", "TigonDPOLoss", "TigonORPOLoss", "TigonSimPOLoss", "cpo_loss", "dpo_loss", "orpo_loss",
+           "simpo_loss"]

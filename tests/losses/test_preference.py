@@ -1,0 +1,158 @@
+"""Chunked preference losses against plain-torch references over the full logits (TRL's formulas)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers import DEVICE, check_op, pick, randn
+from tigon.losses import TigonDPOLoss, cpo_loss, dpo_loss, orpo_loss, simpo_loss
+
+# (pairs, tokens, hidden, vocab): 3 pairs -> uneven chunks at chunk_pairs=2
+SHAPE = pick(cpu=(3, 7, 16, 37), gpu=(4, 256, 512, 32000))
+
+
+def make(pairs, tokens, hidden, vocab, bias=False, dtype=torch.float32):
+    x = randn((2 * pairs, tokens, hidden), dtype, requires_grad=True)
+    w = randn((vocab, hidden), dtype, scale=hidden**-0.5 * 2, requires_grad=True)
+    b = randn((vocab,), dtype, scale=0.3, requires_grad=True) if bias else None
+    target = torch.randint(0, vocab, (2 * pairs, tokens), device=DEVICE)
+    target[:, : tokens // 3] = -100  # prompt
+    target[1, -2:] = -100  # padding on one sequence
+    return x, w, b, target
+
+
+def ref_logps(x, w, b, target, average, ignore_index=-100):
+    logits = x @ w.t() + (b if b is not None else 0)
+    mask = target != ignore_index
+    lp = torch.gather(logits.log_softmax(-1), -1, torch.where(mask, target, 0).unsqueeze(-1)).squeeze(-1) * mask
+    out = lp.sum(-1)
+    return out / mask.sum(-1) if average else out, lp, mask
+
+
+def ref_nll(x, w, b, target):
+    n = x.shape[0] // 2
+    _, lp, mask = ref_logps(x[:n], w, b, target[:n], False)
+    return -lp.sum() / mask.sum()
+
+
+def ref_dpo(x, w, b, target, ref_c, ref_r, beta, loss_type, ls, average, nll):
+    logps, _, _ = ref_logps(x, w, b, target, average)
+    n = x.shape[0] // 2
+    margin = (logps[:n] - ref_c) - (logps[n:] - ref_r)
+    if loss_type == "sigmoid":
+        losses = -F.logsigmoid(beta * margin) * (1 - ls) - F.logsigmoid(-beta * margin) * ls
+    elif loss_type == "ipo":
+        losses = (margin - 1 / (2 * beta)) ** 2
+    else:
+        losses = torch.relu(1 - beta * margin)
+    return losses.mean() + (ref_nll(x, w, b, target) if nll else 0)
+
+
+def run(fn, ref, x, w, b, what):
+    inputs = [x, w] + ([b] if b is not None else [])
+    check_op(lambda x, w, *b: fn(x, w, b[0] if b else None)[0], lambda x, w, *b: ref(x, w, b[0] if b else None),
+             inputs, dtype=torch.float32, tol=1e-4, what=what, worse_than_eager=4.0, noise_floor=1e-5)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
+@pytest.mark.parametrize("reference", ["precomputed", "model", "free"])
+@pytest.mark.parametrize("chunk_pairs", [1, 2])
+def test_dpo_matches_reference(loss_type, reference, chunk_pairs):
+    x, w, b, target = make(*SHAPE, bias=reference == "model")
+    pairs, average, beta, ls = SHAPE[0], loss_type == "ipo", 0.2, 0.1 if loss_type == "sigmoid" else 0.0
+    kw = {}
+    if reference == "precomputed":
+        kw = dict(ref_chosen_logps=randn((pairs,), torch.float32) - 5, ref_rejected_logps=randn((pairs,), torch.float32) - 5)
+        ref_c, ref_r = kw["ref_chosen_logps"], kw["ref_rejected_logps"]
+    elif reference == "model":
+        ref_x, ref_w = randn(tuple(x.shape), torch.float32), randn(tuple(w.shape), torch.float32, scale=0.3)
+        kw = dict(ref_x=ref_x, ref_weight=ref_w)
+        with torch.no_grad():
+            lp, _, _ = ref_logps(ref_x.double(), ref_w.double(), None, target, average)
+        ref_c, ref_r = lp[:pairs], lp[pairs:]
+    else:
+        ref_c = ref_r = 0.0
+
+    def rc(t):
+        return ref_c.to(t.dtype) if torch.is_tensor(ref_c) else ref_c
+
+    def rr(t):
+        return ref_r.to(t.dtype) if torch.is_tensor(ref_r) else ref_r
+
+    run(lambda x, w, b: dpo_loss(x, w, target, b, beta=beta, loss_type=loss_type, label_smoothing=ls,
+                                 chunk_pairs=chunk_pairs, **kw),
+        lambda x, w, b: ref_dpo(x, w, b, target, rc(x), rr(x), beta, loss_type, ls, average, False),
+        x, w, b, f"dpo[{loss_type}, {reference}, chunks of {chunk_pairs}]")
+
+
+def test_dpo_with_nll_and_metrics():
+    x, w, b, target = make(*SHAPE, bias=True)
+    pairs = SHAPE[0]
+    rc, rr = randn((pairs,), torch.float32) - 5, randn((pairs,), torch.float32) - 5
+    run(lambda x, w, b: dpo_loss(x, w, target, b, beta=0.1, ref_chosen_logps=rc, ref_rejected_logps=rr,
+                                 compute_nll_loss=True, chunk_pairs=2),
+        lambda x, w, b: ref_dpo(x, w, b, target, rc.to(x.dtype), rr.to(x.dtype), 0.1, "sigmoid", 0.0, False, True),
+        x, w, b, "dpo + nll")
+    loss, m = TigonDPOLoss(beta=0.1, compute_nll_loss=True)(x, w, target, b, ref_chosen_logps=rc, ref_rejected_logps=rr)
+    logps, _, _ = ref_logps(x.double(), w.double(), b.double(), target, False)
+    assert torch.allclose(m["chosen_logps"].double(), logps[:pairs], rtol=1e-4)
+    assert torch.allclose(m["rejected_rewards"].double(), 0.1 * (logps[pairs:] - rr.double()), rtol=1e-4, atol=1e-6)
+    assert torch.allclose(m["nll_loss"].double(), ref_nll(x.double(), w.double(), b.double(), target), rtol=1e-4)
+    full_logits = x.double() @ w.double().t() + b.double()
+    assert torch.allclose(m["logits_mean"].double(), full_logits.mean(), rtol=1e-4, atol=1e-6)
+    assert torch.allclose(m["chosen_logits_mean"].double(), full_logits[:pairs].mean(), rtol=1e-4, atol=1e-6)
+
+
+def test_orpo_matches_reference():
+    x, w, b, target = make(*SHAPE)
+    beta = 0.1
+
+    def ref(x, w, b):
+        logps, _, _ = ref_logps(x, w, b, target, True)
+        n = x.shape[0] // 2
+        c, r = logps[:n], logps[n:]
+        log_odds = (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
+        return ref_nll(x, w, b, target) - beta * F.logsigmoid(log_odds).mean()
+
+    run(lambda x, w, b: orpo_loss(x, w, target, b, beta=beta, chunk_pairs=2), ref, x, w, b, "orpo")
+
+
+@pytest.mark.parametrize("which", ["cpo", "simpo"])
+def test_cpo_and_simpo_match_reference(which):
+    x, w, b, target = make(*SHAPE)
+    beta, gamma, ls = (0.1, 0.0, 0.05) if which == "cpo" else (2.0, 0.5, 0.0)
+
+    def ref(x, w, b):
+        logps, _, _ = ref_logps(x, w, b, target, which == "simpo")
+        n = x.shape[0] // 2
+        z = beta * (logps[:n] - logps[n:]) - gamma
+        losses = -F.logsigmoid(z) * (1 - ls) - F.logsigmoid(-z) * ls
+        return losses.mean() + (ref_nll(x, w, b, target) if which == "cpo" else 0)
+
+    fn = ((lambda x, w, b: cpo_loss(x, w, target, b, beta=beta, label_smoothing=ls)) if which == "cpo" else
+          (lambda x, w, b: simpo_loss(x, w, target, b, beta=beta, gamma=gamma)))
+    run(fn, ref, x, w, b, which)
+
+
+def test_grad_output_scales_and_frozen_head():
+    x, w, b, target = make(*SHAPE)
+    loss, _ = dpo_loss(x, w.detach(), target, chunk_pairs=2)
+    (loss * 3.0).backward()
+    g3 = x.grad.clone()
+    x.grad = None
+    dpo_loss(x, w.detach(), target, chunk_pairs=3)[0].backward()
+    assert torch.allclose(g3, 3.0 * x.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_bad_inputs_are_clear_errors():
+    x, w, b, target = make(*SHAPE)
+    with pytest.raises(ValueError, match="pairs"):
+        dpo_loss(x[:-1], w, target[:-1])
+    with pytest.raises(ValueError, match="ref_x has shape"):
+        dpo_loss(x, w, target, ref_x=x[:, :-1].detach(), ref_weight=w.detach())
+    with pytest.raises(ValueError, match="ref_chosen_logps must be"):
+        dpo_loss(x, w, target, ref_chosen_logps=torch.zeros(SHAPE[0] + 1), ref_rejected_logps=torch.zeros(SHAPE[0]))
+    with pytest.raises(ValueError, match="target has shape"):
+        dpo_loss(x, w, target[:, :-1])
+    with pytest.raises(ValueError, match="loss_type"):
+        dpo_loss(x, w, target, loss_type="kto")
