@@ -1,5 +1,6 @@
 """Chunked post-training losses: the logits are never formed for the whole batch."""
 
+from tigon.losses.distillation import TigonFusedLinearJSD, fused_linear_jsd, jsd_loss
 from tigon.losses.preference import (
     TigonCPOLoss,
     TigonDPOLoss,
@@ -11,5 +12,5 @@ from tigon.losses.preference import (
     simpo_loss,
 )
 
-__all__ = ["TigonCPOLoss", "TigonDPOLoss", "TigonORPOLoss", "TigonSimPOLoss", "cpo_loss", "dpo_loss", "orpo_loss",
-           "simpo_loss"]
+__all__ = ["TigonCPOLoss", "TigonDPOLoss", "TigonFusedLinearJSD", "TigonORPOLoss", "TigonSimPOLoss", "cpo_loss",
+           "dpo_loss", "fused_linear_jsd", "jsd_loss", "orpo_loss", "simpo_loss"]

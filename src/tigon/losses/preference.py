@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tigon.losses.base import ChunkedPreferenceFunction
+from tigon.losses.base import contiguous_chunks, head_logits, run_chunked, token_logps
 
 DPO_TYPES = ("sigmoid", "ipo", "hinge")
 
@@ -45,14 +45,72 @@ def cpo_pair_loss(chosen, rejected, _ref_c, _ref_r, beta=0.1, label_smoothing=0.
     return losses, dict(chosen_rewards=(beta * chosen).detach(), rejected_rewards=(beta * rejected).detach())
 
 
+def check_preference_args(x, weight, target, bias, ref_x, ref_weight, ref_chosen_logps, ref_rejected_logps):
+    if x.ndim != 3:
+        raise ValueError(f"x must be [2B, T, H] (chosen rows then rejected rows), got shape {tuple(x.shape)}")
+    if x.shape[0] % 2:
+        raise ValueError(f"x has {x.shape[0]} sequences: chosen and rejected must come in pairs (an even count)")
+    if target.shape != x.shape[:2]:
+        raise ValueError(f"target has shape {tuple(target.shape)} but x has {tuple(x.shape[:2])} sequences x tokens")
+    if weight.ndim != 2 or weight.shape[1] != x.shape[2]:
+        raise ValueError(f"weight must be [V, {x.shape[2]}], got {tuple(weight.shape)}")
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    if ref_x is not None:
+        if ref_weight is None:
+            raise ValueError("ref_x needs ref_weight (the reference model's lm_head weight)")
+        if ref_x.shape[:2] != x.shape[:2]:
+            raise ValueError(f"ref_x has shape {tuple(ref_x.shape)} but x has {tuple(x.shape)}: the reference "
+                             "model must see the same sequences")
+    pairs = x.shape[0] // 2
+    for name, t in (("ref_chosen_logps", ref_chosen_logps), ("ref_rejected_logps", ref_rejected_logps)):
+        if t is not None and t.shape != (pairs,):
+            raise ValueError(f"{name} must be [{pairs}] (one per pair), got {tuple(t.shape)}")
+    if (ref_chosen_logps is None) != (ref_rejected_logps is None):
+        raise ValueError("give both ref_chosen_logps and ref_rejected_logps, or neither")
+
+
+def sequence_logps(x, weight, bias, target, ignore_index, average):
+    """Per-sequence sum (or mean) of log p(target), and per-sequence sums of the logits."""
+    logits = head_logits(x, weight, bias)
+    lp, mask = token_logps(logits, target, ignore_index)
+    logps = lp.sum(-1)
+    if average:
+        logps = logps / mask.sum(-1).clamp_min(1)
+    return logps, lp, logits.sum((-1, -2))
+
+
 def _run(pair_loss, options, x, weight, target, bias, ref_x=None, ref_weight=None, ref_bias=None,
          ref_chosen_logps=None, ref_rejected_logps=None, ignore_index=-100, average_log_prob=False, nll_weight=0.0,
          chunk_pairs=1, compiled=False):
-    names: list = []
-    loss, *values = ChunkedPreferenceFunction.apply(
-        x, weight, bias, target, ref_x, ref_weight, ref_bias, ref_chosen_logps, ref_rejected_logps, pair_loss,
-        options, ignore_index, average_log_prob, nll_weight, int(chunk_pairs), compiled, names)
-    return loss, dict(zip(names, values))
+    check_preference_args(x, weight, target, bias, ref_x, ref_weight, ref_chosen_logps, ref_rejected_logps)
+    pairs = x.shape[0] // 2
+    chosen_tokens = (target[:pairs] != ignore_index).sum().clamp_min(1)
+    per_side_logits = pairs * x.shape[1] * weight.shape[0]
+    ref_logps = None if ref_chosen_logps is None else torch.cat((ref_chosen_logps, ref_rejected_logps)).float()
+
+    def chunk_fn(xc, tc, ref_xc, ref_lp, w, b, ref_w, ref_b):
+        n = xc.shape[0] // 2
+        logps, lp, logit_sums = sequence_logps(xc, w, b, tc, ignore_index, average_log_prob)
+        if ref_xc is not None:
+            with torch.no_grad():
+                ref_lp, _, _ = sequence_logps(ref_xc, ref_w, ref_b, tc, ignore_index, average_log_prob)
+        ref_c, ref_r = (None, None) if ref_lp is None else (ref_lp[:n], ref_lp[n:])
+        losses, metrics = pair_loss(logps[:n], logps[n:], ref_c, ref_r, **options)
+        loss = losses.sum() / pairs
+        metrics = dict(metrics, chosen_logps=logps[:n], rejected_logps=logps[n:],
+                       chosen_logits_mean=logit_sums[:n].sum() / per_side_logits,
+                       rejected_logits_mean=logit_sums[n:].sum() / per_side_logits)
+        if nll_weight:
+            nll = -lp[:n].sum() / chosen_tokens
+            loss = loss + nll_weight * nll
+            metrics["nll_loss"] = nll
+        return loss, metrics
+
+    rows = [torch.cat((c, c + pairs)) for c in contiguous_chunks(pairs, max(1, int(chunk_pairs)), x.device)]
+    detach = (lambda t: t.detach() if t is not None else None)
+    return run_chunked(chunk_fn, [x, target, detach(ref_x), ref_logps], [weight, bias, detach(ref_weight),
+                                                                          detach(ref_bias)], rows, compiled)
 
 
 def dpo_loss(x, weight, target, bias=None, *, beta=0.1, loss_type="sigmoid", label_smoothing=0.0, ref_x=None,

@@ -1,0 +1,82 @@
+"""Generalised JSD (TRL's GKD formula, written with F.kl_div here) against the chunked versions."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers import DEVICE, check_op, pick, randn
+from tigon.losses import TigonFusedLinearJSD, fused_linear_jsd, jsd_loss
+
+# (batch, tokens, student hidden, teacher hidden, vocab)
+SHAPE = pick(cpu=(2, 5, 12, 20, 37), gpu=(4, 512, 1024, 2048, 32000))
+
+
+def ref_jsd(s_logits, t_logits, mask, beta, temperature):
+    s = F.log_softmax(s_logits / temperature, -1)
+    t = F.log_softmax(t_logits / temperature, -1)
+    if beta == 0:
+        jsd = F.kl_div(s, t, reduction="none", log_target=True)
+    elif beta == 1:
+        jsd = F.kl_div(t, s, reduction="none", log_target=True)
+    else:
+        b = torch.tensor(beta, dtype=s.dtype)
+        m = torch.logsumexp(torch.stack([s + torch.log(1 - b), t + torch.log(b)]), dim=0)
+        jsd = b * F.kl_div(m, t, reduction="none", log_target=True) + (1 - b) * F.kl_div(m, s, reduction="none",
+                                                                                          log_target=True)
+    return (jsd.sum(-1) * mask).sum() / mask.sum()
+
+
+def make(bias=False):
+    b, t, hs, ht, v = SHAPE
+    sx = randn((b, t, hs), torch.float32, requires_grad=True)
+    sw = randn((v, hs), torch.float32, scale=hs**-0.5 * 2, requires_grad=True)
+    sb = randn((v,), torch.float32, scale=0.3, requires_grad=True) if bias else None
+    tx, tw = randn((b, t, ht), torch.float32), randn((v, ht), torch.float32, scale=ht**-0.5 * 3)
+    target = torch.randint(0, v, (b, t), device=DEVICE)
+    target[:, :2] = -100
+    return sx, sw, sb, tx, tw, target
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 1.0])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_fused_linear_jsd_matches_reference(beta, temperature):
+    sx, sw, sb, tx, tw, target = make(bias=beta == 0.5)
+    mask = target != -100
+    inputs = [sx, sw] + ([sb] if sb is not None else [])
+
+    def ours(sx, sw, *sb):
+        return fused_linear_jsd(sx, sw, tx, tw, target, sb[0] if sb else None, beta=beta, temperature=temperature,
+                                chunk_rows=pick(3, 700))[0]
+
+    def ref(sx, sw, *sb):
+        s_logits = sx @ sw.t() + (sb[0] if sb else 0)
+        t_logits = (tx @ tw.t()).to(sx.dtype)
+        return ref_jsd(s_logits, t_logits, mask, beta, temperature)
+
+    check_op(ours, ref, inputs, dtype=torch.float32, tol=1e-4, what=f"fused_linear_jsd[beta={beta}, T={temperature}]",
+             worse_than_eager=4.0, noise_floor=1e-5)
+
+
+def test_jsd_on_logits_and_module():
+    sx, sw, _, tx, tw, target = make()
+    s_logits = (sx.detach() @ sw.detach().t()).requires_grad_()
+    t_logits = tx @ tw.t()
+    check_op(lambda s: jsd_loss(s, t_logits, target, beta=0.4, chunk_rows=4),
+             lambda s: ref_jsd(s, t_logits.to(s.dtype), target != -100, 0.4, 1.0),
+             [s_logits], dtype=torch.float32, tol=1e-4, what="jsd_loss", worse_than_eager=4.0, noise_floor=1e-5)
+    module = TigonFusedLinearJSD(beta=0.4, chunk_rows=4)
+    loss, _ = module(sx, sw, tx, tw, target)
+    assert torch.allclose(loss, jsd_loss(s_logits, t_logits, target, beta=0.4), rtol=1e-5)
+    assert "beta=0.4" in repr(module)
+
+
+def test_jsd_bad_inputs():
+    sx, sw, _, tx, tw, target = make()
+    with pytest.raises(ValueError, match="beta"):
+        fused_linear_jsd(sx, sw, tx, tw, beta=1.5)
+    with pytest.raises(ValueError, match="tokens"):
+        fused_linear_jsd(sx, sw, tx[:, :-1], tw)
+    with pytest.raises(ValueError, match="vocabularies"):
+        fused_linear_jsd(sx, sw, tx, tw[:-1])
+    with pytest.raises(ValueError, match="temperature"):
+        jsd_loss(sx, sx, temperature=0.0)
