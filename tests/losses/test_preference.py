@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import DEVICE, check_op, pick, randn
-from tigon.losses import TigonDPOLoss, cpo_loss, dpo_loss, orpo_loss, simpo_loss
+from tigon.losses import TigonDPOLoss, cpo_loss, dpo_loss, kto_loss, orpo_loss, simpo_loss
 
 # (pairs, tokens, hidden, vocab): 3 pairs -> uneven chunks at chunk_pairs=2
 SHAPE = pick(cpu=(3, 7, 16, 37), gpu=(4, 256, 512, 32000))
@@ -155,3 +155,36 @@ def test_bad_inputs_are_clear_errors():
         dpo_loss(x, w, target[:, :-1])
     with pytest.raises(ValueError, match="loss_type"):
         dpo_loss(x, w, target, loss_type="kto")
+
+
+@pytest.mark.parametrize("reference", ["precomputed", "model", "free"])
+def test_kto_matches_reference(reference):
+    pairs, tokens, hidden, vocab = SHAPE
+    x, w, b, target = make(pairs, tokens, hidden, vocab, bias=True)
+    n = x.shape[0]
+    labels = torch.tensor([True, False, True, True, False, False][:n] + [True] * max(0, n - 6), device=DEVICE)
+    beta, wd, wu, kl = 0.3, 1.0, 1.5, 0.05
+    kw = {}
+    if reference == "precomputed":
+        kw = dict(ref_logps=randn((n,), torch.float32) - 8)
+        ref_lp = kw["ref_logps"]
+    elif reference == "model":
+        ref_x, ref_w = randn(tuple(x.shape), torch.float32), randn(tuple(w.shape), torch.float32, scale=0.3)
+        kw = dict(ref_x=ref_x, ref_weight=ref_w)
+        with torch.no_grad():
+            ref_lp = ref_logps(ref_x.double(), ref_w.double(), None, target, False)[0]
+    else:
+        ref_lp = None
+
+    def ref(x, w, b):
+        logps = ref_logps(x, w, b, target, False)[0]
+        ratio = logps - (ref_lp.to(x.dtype) if ref_lp is not None else 0)
+        chosen = wd * (1 - torch.sigmoid(beta * (ratio - kl)))
+        rejected = wu * (1 - torch.sigmoid(beta * (kl - ratio)))
+        return torch.where(labels, chosen, rejected).mean()
+
+    run(lambda x, w, b: kto_loss(x, w, target, labels, b, beta=beta, desirable_weight=wd, undesirable_weight=wu,
+                                 kl=kl, chunk_rows=4, **kw),
+        ref, x, w, b, f"kto[{reference}]")
+    with pytest.raises(ValueError, match="preference_labels"):
+        kto_loss(x, w, target, labels.float())

@@ -4,13 +4,15 @@ from tigon.losses.distillation import TigonFusedLinearJSD, fused_linear_jsd, jsd
 from tigon.losses.preference import (
     TigonCPOLoss,
     TigonDPOLoss,
+    TigonKTOLoss,
     TigonORPOLoss,
     TigonSimPOLoss,
     cpo_loss,
     dpo_loss,
+    kto_loss,
     orpo_loss,
     simpo_loss,
 )
 
-__all__ = ["TigonCPOLoss", "TigonDPOLoss", "TigonFusedLinearJSD", "TigonORPOLoss", "TigonSimPOLoss", "cpo_loss",
-           "dpo_loss", "fused_linear_jsd", "jsd_loss", "orpo_loss", "simpo_loss"]
+__all__ = ["TigonCPOLoss", "TigonDPOLoss", "TigonFusedLinearJSD", "TigonKTOLoss", "TigonORPOLoss", "TigonSimPOLoss", "cpo_loss",
+           "dpo_loss", "fused_linear_jsd", "jsd_loss", "kto_loss", "orpo_loss", "simpo_loss"]

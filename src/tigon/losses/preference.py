@@ -178,3 +178,46 @@ class TigonCPOLoss(_PreferenceLoss):
 
 class TigonSimPOLoss(_PreferenceLoss):
     fn = staticmethod(simpo_loss)
+
+
+def kto_loss(x, weight, target, preference_labels, bias=None, *, beta=0.1, desirable_weight=1.0,
+             undesirable_weight=1.0, kl=None, ref_x=None, ref_weight=None, ref_bias=None, ref_logps=None,
+             ignore_index=-100, average_log_prob=False, chunk_rows=2, compiled=False):
+    """KTO over unpaired sequences x [N, T, H] with preference_labels [N] (True: desirable).
+    The reference log-probs come from ref_x / ref_weight or ref_logps [N] (else 0); ``kl`` is
+    the batch's KL estimate (a float or 0-dim tensor, clamped at 0, no gradient; None: 0), as
+    TRL computes it from mismatched prompt / completion pairs. Mean over sequences."""
+    if x.ndim != 3 or target.shape != x.shape[:2]:
+        raise ValueError(f"x must be [N, T, H] and target [N, T], got {tuple(x.shape)} and {tuple(target.shape)}")
+    if preference_labels.shape != x.shape[:1] or preference_labels.dtype != torch.bool:
+        raise ValueError(f"preference_labels must be a bool tensor of shape [{x.shape[0]}], got "
+                         f"{preference_labels.dtype} {tuple(preference_labels.shape)}")
+    if ref_x is not None and (ref_weight is None or ref_x.shape[:2] != x.shape[:2]):
+        raise ValueError("ref_x must come with ref_weight and cover the same sequences as x")
+    if ref_logps is not None and ref_logps.shape != x.shape[:1]:
+        raise ValueError(f"ref_logps must be [{x.shape[0]}], got {tuple(ref_logps.shape)}")
+    n = x.shape[0]
+    kl_value = torch.as_tensor(0.0 if kl is None else kl, dtype=torch.float32, device=x.device).detach().clamp_min(0)
+    ref_lp_all = None if ref_logps is None else ref_logps.float()
+
+    def chunk_fn(xc, tc, labels, ref_xc, ref_lp, w, b, ref_w, ref_b):
+        logps, _, _ = sequence_logps(xc, w, b, tc, ignore_index, average_log_prob)
+        if ref_xc is not None:
+            with torch.no_grad():
+                ref_lp, _, _ = sequence_logps(ref_xc, ref_w, ref_b, tc, ignore_index, average_log_prob)
+        ratio = logps - (ref_lp if ref_lp is not None else 0.0)
+        losses = torch.where(labels, desirable_weight * (1 - torch.sigmoid(beta * (ratio - kl_value))),
+                             undesirable_weight * (1 - torch.sigmoid(beta * (kl_value - ratio))))
+        return losses.sum() / n, dict(logps=logps, rewards=beta * ratio)
+
+    detach = (lambda t: t.detach() if t is not None else None)
+    return run_chunked(chunk_fn, [x, target, preference_labels, detach(ref_x), ref_lp_all],
+                       [weight, bias, detach(ref_weight), detach(ref_bias)],
+                       contiguous_chunks(n, max(1, int(chunk_rows)), x.device), compiled)
+
+
+class TigonKTOLoss(_PreferenceLoss):
+    fn = staticmethod(kto_loss)
+
+    def forward(self, x, weight, target, preference_labels, bias=None, **kwargs):
+        return kto_loss(x, weight, target, preference_labels, bias, **{**self.options, **kwargs})
