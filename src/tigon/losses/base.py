@@ -7,7 +7,9 @@ must be a sum over chunks (its normalisers computed from the whole batch beforeh
 chunk gradients add up to the full gradients exactly. ``ChunkedLossFunction`` walks the
 chunks, takes each chunk's loss share and its gradients with respect to the differentiable
 inputs in one call (``torch.func.grad_and_value``, optionally under ``torch.compile`` with
-dynamic shapes), and accumulates them in fp32. The gradients are formed in the forward pass;
+dynamic shapes). Row chunks are disjoint, so a chunked input's gradient is written once, in
+its own dtype; a shared input's gradient is summed over chunks in its dtype (fp32 for fp32
+parameters; one rounding per chunk for bf16). The gradients are formed in the forward pass;
 the backward scales them by grad_output.
 
 Metrics: per-row tensors are concatenated in chunk order; scalars are summed over chunks.
@@ -21,6 +23,8 @@ from typing import Callable
 import torch
 from torch.func import grad_and_value
 
+from tigon.ops._common import capturing
+
 
 def token_logps(logits, target, ignore_index):
     """log p(target) per token (0 where ignored) and the mask; logits [..., V] fp32, target [...]."""
@@ -30,7 +34,10 @@ def token_logps(logits, target, ignore_index):
 
 
 def head_logits(x, weight, bias):
-    logits = x.float() @ weight.float().t()
+    """fp32 logits of x @ weight.T + bias; the matmul runs in the inputs' dtype (bf16 tensor
+    cores, fp32 accumulation) when x and weight share it."""
+    logits = (x @ weight.t()) if x.dtype == weight.dtype else (x.float() @ weight.float().t())
+    logits = logits.float()
     return logits + bias.float() if bias is not None else logits
 
 
@@ -69,10 +76,12 @@ class ChunkedLossFunction(torch.autograd.Function):
                 for i, gi in zip(argnums, g):
                     if i < spec.n_chunked:
                         if i not in grads:
-                            grads[i] = torch.zeros(inputs[i].shape, dtype=torch.float32, device=gi.device)
-                        grads[i].index_add_(0, rows, gi.float())
+                            grads[i] = torch.zeros(inputs[i].shape, dtype=inputs[i].dtype, device=gi.device)
+                        grads[i].index_copy_(0, rows, gi.to(inputs[i].dtype))
+                    elif i not in grads:
+                        grads[i] = gi.to(inputs[i].dtype)
                     else:
-                        grads[i] = gi.float() if i not in grads else grads[i].add_(gi.float())
+                        grads[i].add_(gi)
             loss_c = loss_c.detach().float()
             total = loss_c if total is None else total + loss_c
             for k, v in metrics.items():
@@ -94,8 +103,14 @@ class ChunkedLossFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, *_grad_metrics):
         out = [None] * ctx.n_inputs
         for i, g in zip(ctx.grad_index, ctx.saved_tensors):
-            out[i] = (g * grad_loss).to(ctx.dtypes[i])
+            out[i] = g if _is_one(grad_loss) else (g * grad_loss).to(ctx.dtypes[i])
         return (None, *out)
+
+
+def _is_one(t):
+    """grad_output == 1 (loss.backward()): the stored gradients are returned as they are. A
+    host sync, except under CUDA-graph capture where it is skipped."""
+    return t.numel() == 1 and not capturing() and bool(t == 1)
 
 
 def run_chunked(chunk_fn, chunked, shared, row_chunks, compiled=False):

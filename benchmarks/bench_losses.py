@@ -1,0 +1,176 @@
+"""Chunked post-training losses vs the unchunked torch version vs Liger's chunked losses:
+forward+backward ms and peak memory, bf16, in one process. Run on a CUDA machine:
+``PYTHONPATH=src python benchmarks/bench_losses.py [--losses dpo orpo jsd] [--impls tigon torch liger]``.
+
+Shapes: DPO / ORPO B pairs (2B sequences) x T tokens, hidden H, vocab V (a reference model's
+hidden states and head for DPO); JSD B x T tokens, student hidden H, teacher hidden H. Peak
+memory: max_memory_allocated during one forward+backward beyond what was allocated before
+(inputs) and the returned gradients. Time: median of --reps CUDA-event timings after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from tigon.losses import dpo_loss, fused_linear_jsd, orpo_loss
+
+
+def full_logps(x, w, target, average):
+    logits = (x @ w.t()).float()
+    mask = target != -100
+    lp = torch.gather(logits.log_softmax(-1), -1, torch.where(mask, target, 0).unsqueeze(-1)).squeeze(-1) * mask
+    return (lp.sum(-1) / mask.sum(-1) if average else lp.sum(-1)), lp, mask
+
+
+def torch_dpo(x, w, target, ref_x, ref_w, beta=0.1):
+    logps, _, _ = full_logps(x, w, target, False)
+    with torch.no_grad():
+        ref, _, _ = full_logps(ref_x, ref_w, target, False)
+    n = x.shape[0] // 2
+    return -F.logsigmoid(beta * ((logps[:n] - ref[:n]) - (logps[n:] - ref[n:]))).mean()
+
+
+def torch_orpo(x, w, target, beta=0.1):
+    logps, lp, mask = full_logps(x, w, target, True)
+    n = x.shape[0] // 2
+    c, r = logps[:n], logps[n:]
+    log_odds = (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
+    return -lp[:n].sum() / mask[:n].sum() - beta * F.logsigmoid(log_odds).mean()
+
+
+def torch_jsd(sx, sw, tx, tw, target, beta=0.5):
+    s = F.log_softmax((sx @ sw.t()).float(), -1)
+    with torch.no_grad():
+        t = F.log_softmax((tx @ tw.t()).float(), -1)
+    m = torch.logsumexp(torch.stack((s + torch.log(torch.tensor(1 - beta)), t + torch.log(torch.tensor(beta)))), 0)
+    jsd = beta * (t.exp() * (t - m)).sum(-1) + (1 - beta) * (s.exp() * (s - m)).sum(-1)
+    mask = target != -100
+    return (jsd * mask).sum() / mask.sum()
+
+
+def cases(args):
+    B, T, H, V = args.batch, args.seq, args.hidden, args.vocab
+    dev, bf = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*shape, scale=1.0, grad=False):
+        return (torch.randn(*shape, device=dev, generator=g) * scale).to(bf).requires_grad_(grad)
+
+    def tgt(n):
+        t = torch.randint(0, V, (n, T), device=dev, generator=g)
+        t[:, : T // 4] = -100
+        return t
+
+    out = {}
+    if "dpo" in args.losses or "orpo" in args.losses:
+        x, w = rnd(2 * B, T, H, grad=True), rnd(V, H, scale=H**-0.5, grad=True)
+        ref_x, ref_w, target = rnd(2 * B, T, H), rnd(V, H, scale=H**-0.5), tgt(2 * B)
+        impls = {"tigon": lambda: dpo_loss(x, w, target, ref_x=ref_x, ref_weight=ref_w)[0],
+                 "torch": lambda: torch_dpo(x, w, target, ref_x, ref_w)}
+        liger = _liger()
+        if liger:
+            mod = liger.LigerFusedLinearDPOLoss(beta=0.1, use_ref_model=True)
+            impls["liger"] = lambda: mod(w, x, target, None, ref_x, ref_w)[0]
+        if "dpo" in args.losses:
+            out[f"DPO B{B} pairs T{T} H{H} V{V}"] = (impls, [x, w])
+        impls_o = {"tigon": lambda: orpo_loss(x, w, target)[0], "torch": lambda: torch_orpo(x, w, target)}
+        if liger:
+            mod_o = liger.LigerFusedLinearORPOLoss(beta=0.1)
+            impls_o["liger"] = lambda: mod_o(w, x, target)[0]
+        if "orpo" in args.losses:
+            out[f"ORPO B{B} pairs T{T} H{H} V{V}"] = (impls_o, [x, w])
+    if "jsd" in args.losses:
+        sx, sw = rnd(B * T, H, grad=True), rnd(V, H, scale=H**-0.5, grad=True)
+        tx, tw, target = rnd(B * T, H), rnd(V, H, scale=H**-0.5), tgt(B).reshape(-1)
+        impls = {"tigon": lambda: fused_linear_jsd(sx, sw, tx, tw, target)[0],
+                 "torch": lambda: torch_jsd(sx, sw, tx, tw, target)}
+        liger = _liger()
+        if liger:
+            mod_j = liger.LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=0.5)
+            impls["liger"] = lambda: mod_j(sx, sw, tx, tw, target)
+        out[f"JSD B{B} T{T} H{H} V{V}"] = (impls, [sx, sw])
+    return out
+
+
+def _liger():
+    try:
+        import liger_kernel.chunked_loss as lc
+
+        return lc
+    except Exception:
+        return None
+
+
+def measure(fn, leaves, reps):
+    def step():
+        for t in leaves:
+            t.grad = None
+        loss = fn()
+        (loss[0] if isinstance(loss, tuple) else loss).backward()
+        return loss
+
+    start = time.perf_counter()
+    step()  # warm-up (compiles where an implementation compiles)
+    torch.cuda.synchronize()
+    warm_s = time.perf_counter() - start
+    for t in leaves:
+        t.grad = None
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss = step()
+    torch.cuda.synchronize()
+    grads = sum(t.grad.numel() * t.grad.element_size() for t in leaves if t.grad is not None)
+    peak = (torch.cuda.max_memory_allocated() - base - grads) / 2**20
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    value = float((loss[0] if isinstance(loss, tuple) else loss).detach())
+    return dict(ms=sorted(times)[len(times) // 2], peak_extra_mb=peak, first_call_s=warm_s, loss=value)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--losses", nargs="*", default=["dpo", "orpo", "jsd"])
+    p.add_argument("--impls", nargs="*", default=["tigon", "torch", "liger"])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    rows = []
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16", flush=True)
+    for name, (impls, leaves) in cases(args).items():
+        for impl, fn in impls.items():
+            if impl not in args.impls:
+                continue
+            try:
+                r = measure(fn, leaves, args.reps)
+            except Exception as exc:  # noqa: BLE001 - a peer failing (OOM, compile) is reported, not fatal
+                r = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
+                torch.cuda.empty_cache()
+            rows.append(dict(case=name, impl=impl, **r))
+            print(f"{name:34s} {impl:6s} " + (f"{r['ms']:8.1f} ms  peak extra {r['peak_extra_mb']:8.0f} MB  "
+                                               f"loss {r['loss']:.4f}  first call {r['first_call_s']:.1f} s"
+                                               if "ms" in r else r["error"]), flush=True)
+            torch.cuda.empty_cache()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "losses.json"), "w") as f:
+            json.dump(dict(args=vars(args), device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
