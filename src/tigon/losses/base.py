@@ -27,10 +27,11 @@ from tigon.ops._common import capturing
 
 
 def token_logps(logits, target, ignore_index):
-    """log p(target) per token (0 where ignored) and the mask; logits [..., V] fp32, target [...]."""
+    """log p(target) per token (0 where ignored) and the mask; logits [..., V] fp32, target [...].
+    z[y] - logsumexp(z): no [..., V] log-softmax tensor is formed in the forward."""
     mask = target != ignore_index
-    lp = torch.gather(logits.log_softmax(-1), -1, torch.where(mask, target, 0).unsqueeze(-1)).squeeze(-1)
-    return lp * mask, mask
+    z_y = torch.gather(logits, -1, torch.where(mask, target, 0).unsqueeze(-1)).squeeze(-1)
+    return (z_y - torch.logsumexp(logits, -1)) * mask, mask
 
 
 def head_logits(x, weight, bias):
