@@ -204,3 +204,20 @@ def test_compiled_path_matches_uncompiled():
     for g, t in zip(grads, (x, w, b)):
         assert torch.allclose(t.grad, g, rtol=1e-4, atol=1e-6)
     assert torch.allclose(m_compiled["chosen_logps"], m_eager["chosen_logps"], rtol=1e-5, atol=1e-6)
+
+
+def test_dpo_bf16_and_non_contiguous_hidden_states():
+    """bf16 hidden states and head, x a strided view (as x[:, :-1] of a longer sequence)."""
+    pairs, tokens, hidden, vocab = SHAPE
+    base = randn((2 * pairs, tokens + 1, hidden), torch.bfloat16, requires_grad=True)
+    w = randn((vocab, hidden), torch.bfloat16, scale=hidden**-0.5 * 2, requires_grad=True)
+    target = torch.randint(0, vocab, (2 * pairs, tokens), device=DEVICE)
+    target[:, :2] = -100
+    rc, rr = randn((pairs,), torch.float32) - 5, randn((pairs,), torch.float32) - 5
+    # The loss is fp32 whatever the inputs (as tigon's other losses); cast to compare with eager bf16.
+    check_op(lambda base, w: dpo_loss(base[:, :-1], w, target, ref_chosen_logps=rc, ref_rejected_logps=rr,
+                                      chunk_pairs=2)[0].to(base.dtype),
+             lambda base, w: ref_dpo(base[:, :-1], w, None, target, rc.to(base.dtype), rr.to(base.dtype), 0.1,
+                                     "sigmoid", 0.0, False, False),
+             [base, w], dtype=torch.bfloat16, tol=3e-2, what="dpo bf16 strided", worse_than_eager=4.0,
+             noise_floor=2e-2)
