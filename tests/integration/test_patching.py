@@ -328,3 +328,23 @@ def test_patched_context_undoes_only_its_own_patches():
         from transformers.models.gemma import modeling_gemma
         assert hasattr(modeling_gemma.GemmaRMSNorm.forward, "_tigon")
     assert not hasattr(modeling_gemma.GemmaRMSNorm.forward, "_tigon")
+
+
+def test_peft_lora_model_patches_and_trains_like_unpatched():
+    """A PEFT LoRA model (adapters on attention and MLP projections): tigon.patch finds the
+    family through the wrapper; the LoRA down projection keeps its own forward."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
+                        lora_dropout=0.0, init_lora_weights=False)
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_model("llama"), config)
+    patched = copy.deepcopy(model)
+    ids, labels = batch(SIZE["vocab_size"])
+    ref = train(model, ids, labels)
+    report = tigon.patch(patched)
+    assert {"rms_norm", "swiglu", "rope", "loss"} <= report.pieces()
+    ours = train(patched, ids, labels)
+    assert len(ref[1]) == len(ours[1]) > 0  # the LoRA parameters' gradients
+    assert_same_training(ref, ours)
