@@ -348,3 +348,17 @@ def test_peft_lora_model_patches_and_trains_like_unpatched():
     ours = train(patched, ids, labels)
     assert len(ref[1]) == len(ours[1]) > 0  # the LoRA parameters' gradients
     assert_same_training(ref, ours)
+
+
+def test_torch_compile_of_a_patched_model_trains_like_hf():
+    """torch.compile(patched model): tigon's ops run outside the traced graphs (graph breaks
+    around them), the rest is compiled; one step matches HF."""
+    model = tiny_model("llama")
+    patched = copy.deepcopy(model)
+    ids, labels = batch(model.config.vocab_size)
+    ref = train(model, ids, labels, steps=1)
+    tigon.patch(patched)
+    compiled = torch.compile(patched)
+    ours = train(compiled, ids, labels, steps=1)
+    ours = (ours[0], {k.removeprefix("_orig_mod."): v for k, v in ours[1].items()}, ours[2])
+    assert_same_training(ref, ours)

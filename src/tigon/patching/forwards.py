@@ -17,6 +17,20 @@ from tigon import functional as TF
 from tigon.ops import GLUDownProjFunction, GLUFunction
 
 
+def _eager(fn):
+    """Run fn outside torch.compile's tracing (a graph break around it): a compiled patched model
+    then calls tigon's kernels as they are instead of tracing into their launchers."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
+_rms_norm = _eager(TF.rms_norm)
+_rope = _eager(TF.apply_rotary_pos_emb)
+_glu = _eager(GLUFunction.apply)
+_glu_down = _eager(GLUDownProjFunction.apply)
+_flce = _eager(TF.fused_linear_cross_entropy)
+_cross_entropy = _eager(TF.cross_entropy)
+
+
 class TigonPatchError(RuntimeError):
     """A patch cannot be applied as asked (missing HF piece, unsupported activation, ...)."""
 
@@ -33,7 +47,7 @@ def norm_eps(module: nn.Module) -> float:
 
 def make_rms_norm_forward(casting: str, offset: float):
     def forward(self, hidden_states):
-        return TF.rms_norm(hidden_states, self.weight, norm_eps(self), offset, casting)
+        return _rms_norm(hidden_states, self.weight, norm_eps(self), offset, casting)
 
     forward._tigon = f"rms_norm(casting={casting}, offset={offset:g})"
     return forward
@@ -82,8 +96,8 @@ def mlp_activation(module: nn.Module) -> str:
 def _glu_then_down(module, gate, up, down):
     activation = mlp_activation(module)
     if type(down) is nn.Linear:  # plain Linear: fuse, recompute the activation in the backward
-        return GLUDownProjFunction.apply(gate, up, down.weight, down.bias, activation)
-    return down(GLUFunction.apply(gate, up, activation))  # LoRA / quantised layers keep their forward
+        return _glu_down(gate, up, down.weight, down.bias, activation)
+    return down(_glu(gate, up, activation))  # LoRA / quantised layers keep their forward
 
 
 def make_mlp_forward(layout: str):
@@ -103,7 +117,7 @@ def make_mlp_forward(layout: str):
 def tigon_apply_gate(self, gate_up_out):
     """HF's MoE ``_apply_gate``: act(gate) * up of a [S, 2I] gate/up projection, fused."""
     gate, up = gate_up_out.chunk(2, dim=-1)
-    return GLUFunction.apply(gate, up, mlp_activation(self))
+    return _glu(gate, up, mlp_activation(self))
 
 
 def make_experts_forward(original):
@@ -138,7 +152,7 @@ def tigon_apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
     position_ids = kwargs.pop("position_ids", None)
     if args:  # old signature (q, k, cos, sin, position_ids, unsqueeze_dim): HF ignored position_ids
         unsqueeze_dim = args[1] if len(args) > 1 else unsqueeze_dim
-    return TF.apply_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim)
+    return _rope(q, k, cos, sin, position_ids, unsqueeze_dim)
 
 
 tigon_apply_rotary_pos_emb._tigon = "rope"
@@ -202,16 +216,15 @@ def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mo
                 target = target[..., -hidden.shape[-2]:]
             if divisor_attr and getattr(config, divisor_attr, None):
                 hidden = hidden / getattr(config, divisor_attr)
-            loss = TF.fused_linear_cross_entropy(hidden, head.weight, target.to(hidden.device), head.bias,
-                                                 ignore_index=ignore_index, reduction=reduction, softcap=softcap,
-                                                 chunk_budget=chunk_budget)
+            loss = _flce(hidden, head.weight, target.to(hidden.device), head.bias, ignore_index=ignore_index,
+                         reduction=reduction, softcap=softcap, chunk_budget=chunk_budget)
             logits = None
         else:
             logits = out.logits
             if target.shape[-1] != logits.shape[-2]:
                 target = target[..., -logits.shape[-2]:]
-            loss = TF.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1).to(logits.device),
-                                    ignore_index=ignore_index, reduction=reduction, inplace=False)
+            loss = _cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1).to(logits.device),
+                                  ignore_index=ignore_index, reduction=reduction, inplace=False)
         if num_items is not None:
             loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
         aux = getattr(out, "aux_loss", None)
