@@ -56,7 +56,7 @@ def torch_jsd(sx, sw, tx, tw, target, beta=0.5):
 
 def cases(args):
     B, T, H, V = args.batch, args.seq, args.hidden, args.vocab
-    dev, bf = "cuda", torch.bfloat16
+    dev, bf = args.device, torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
 
     def rnd(*shape, scale=1.0, grad=False):
@@ -70,30 +70,30 @@ def cases(args):
     out = {}
     if "dpo" in args.losses or "orpo" in args.losses:
         x, w = rnd(2 * B, T, H, grad=True), rnd(V, H, scale=H**-0.5, grad=True)
-        ref_x, ref_w, target = rnd(2 * B, T, H), rnd(V, H, scale=H**-0.5), tgt(2 * B)
-        impls = {"tigon": lambda: dpo_loss(x, w, target, ref_x=ref_x, ref_weight=ref_w)[0],
-                 "torch": lambda: torch_dpo(x, w, target, ref_x, ref_w)}
+        ref_x, ref_w, pref_target = rnd(2 * B, T, H), rnd(V, H, scale=H**-0.5), tgt(2 * B)
+        impls = {"tigon": lambda: dpo_loss(x, w, pref_target, ref_x=ref_x, ref_weight=ref_w)[0],
+                 "torch": lambda: torch_dpo(x, w, pref_target, ref_x, ref_w)}
         liger = _liger()
         if liger:
             mod = liger.LigerFusedLinearDPOLoss(beta=0.1, use_ref_model=True)
-            impls["liger"] = lambda: mod(w, x, target, None, ref_x, ref_w)[0]
+            impls["liger"] = lambda: mod(w, x, pref_target, None, ref_x, ref_w)[0]
         if "dpo" in args.losses:
             out[f"DPO B{B} pairs T{T} H{H} V{V}"] = (impls, [x, w])
-        impls_o = {"tigon": lambda: orpo_loss(x, w, target)[0], "torch": lambda: torch_orpo(x, w, target)}
+        impls_o = {"tigon": lambda: orpo_loss(x, w, pref_target)[0], "torch": lambda: torch_orpo(x, w, pref_target)}
         if liger:
             mod_o = liger.LigerFusedLinearORPOLoss(beta=0.1)
-            impls_o["liger"] = lambda: mod_o(w, x, target)[0]
+            impls_o["liger"] = lambda: mod_o(w, x, pref_target)[0]
         if "orpo" in args.losses:
             out[f"ORPO B{B} pairs T{T} H{H} V{V}"] = (impls_o, [x, w])
     if "jsd" in args.losses:
         sx, sw = rnd(B * T, H, grad=True), rnd(V, H, scale=H**-0.5, grad=True)
-        tx, tw, target = rnd(B * T, H), rnd(V, H, scale=H**-0.5), tgt(B).reshape(-1)
-        impls = {"tigon": lambda: fused_linear_jsd(sx, sw, tx, tw, target)[0],
-                 "torch": lambda: torch_jsd(sx, sw, tx, tw, target)}
+        tx, tw, jsd_target = rnd(B * T, H), rnd(V, H, scale=H**-0.5), tgt(B).reshape(-1)
+        impls = {"tigon": lambda: fused_linear_jsd(sx, sw, tx, tw, jsd_target)[0],
+                 "torch": lambda: torch_jsd(sx, sw, tx, tw, jsd_target)}
         liger = _liger()
         if liger:
             mod_j = liger.LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=0.5)
-            impls["liger"] = lambda: mod_j(sx, sw, tx, tw, target)
+            impls["liger"] = lambda: mod_j(sx, sw, tx, tw, jsd_target)
         out[f"JSD B{B} T{T} H{H} V{V}"] = (impls, [sx, sw])
     return out
 
@@ -107,7 +107,7 @@ def _liger():
         return None
 
 
-def measure(fn, leaves, reps):
+def measure(fn, leaves, reps, on_gpu=True):
     def step():
         for t in leaves:
             t.grad = None
@@ -115,10 +115,17 @@ def measure(fn, leaves, reps):
         (loss[0] if isinstance(loss, tuple) else loss).backward()
         return loss
 
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     start = time.perf_counter()
     step()  # warm-up (compiles where an implementation compiles)
-    torch.cuda.synchronize()
+    sync()
     warm_s = time.perf_counter() - start
+    if not on_gpu:  # CPU smoke test: wall time, no memory figures
+        start = time.perf_counter()
+        loss = step()
+        value = float((loss[0] if isinstance(loss, tuple) else loss).detach())
+        return dict(ms=(time.perf_counter() - start) * 1e3, peak_extra_mb=float("nan"), first_call_s=warm_s,
+                    loss=value)
     for t in leaves:
         t.grad = None
     torch.cuda.reset_peak_memory_stats()
@@ -149,27 +156,32 @@ def main():
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default=None)
+    p.add_argument("--device", default="cuda", help="cpu: a smoke test of the script with tiny shapes")
     args = p.parse_args()
     rows = []
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16", flush=True)
+    on_gpu = args.device == "cuda"
+    print(f"{torch.cuda.get_device_name() if on_gpu else 'CPU'}, torch {torch.__version__}, bf16", flush=True)
     for name, (impls, leaves) in cases(args).items():
         for impl, fn in impls.items():
             if impl not in args.impls:
                 continue
             try:
-                r = measure(fn, leaves, args.reps)
-            except Exception as exc:  # noqa: BLE001 - a peer failing (OOM, compile) is reported, not fatal
+                r = measure(fn, leaves, args.reps, on_gpu)
+            except Exception as exc:  # a peer failing (OOM, compile) is reported, not fatal
                 r = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
-                torch.cuda.empty_cache()
+                if on_gpu:
+                    torch.cuda.empty_cache()
             rows.append(dict(case=name, impl=impl, **r))
             print(f"{name:34s} {impl:6s} " + (f"{r['ms']:8.1f} ms  peak extra {r['peak_extra_mb']:8.0f} MB  "
                                                f"loss {r['loss']:.4f}  first call {r['first_call_s']:.1f} s"
                                                if "ms" in r else r["error"]), flush=True)
-            torch.cuda.empty_cache()
+            if on_gpu:
+                torch.cuda.empty_cache()
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "losses.json"), "w") as f:
-            json.dump(dict(args=vars(args), device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+            json.dump(dict(args=vars(args), device=torch.cuda.get_device_name() if on_gpu else "cpu", rows=rows), f,
+                      indent=1)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,10 @@ import os
 
 os.environ.setdefault("TIGON_CHECK_LABELS", "0")
 
-import torch  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+import torch
+from triton.testing import do_bench
 
-from tigon.functional import fused_linear_cross_entropy  # noqa: E402
+from tigon.functional import fused_linear_cross_entropy
 
 MiB = 2**20
 

@@ -14,7 +14,7 @@ from tests.helpers import DEVICE, pick
 from tigon.patching import FAMILIES, Family, TigonPatchError, apply_family
 
 transformers = pytest.importorskip("transformers")
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM
 
 SIZE = pick(cpu=dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16),

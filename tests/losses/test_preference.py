@@ -5,7 +5,14 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import DEVICE, check_op, pick, randn
-from tigon.losses import TigonDPOLoss, cpo_loss, dpo_loss, kto_loss, orpo_loss, simpo_loss
+from tigon.losses import (
+    TigonDPOLoss,
+    cpo_loss,
+    dpo_loss,
+    kto_loss,
+    orpo_loss,
+    simpo_loss,
+)
 
 # (pairs, tokens, hidden, vocab): 3 pairs -> uneven chunks at chunk_pairs=2
 SHAPE = pick(cpu=(3, 7, 16, 37), gpu=(4, 256, 512, 32000))

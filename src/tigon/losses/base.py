@@ -17,8 +17,8 @@ Metrics: per-row tensors are concatenated in chunk order; scalars are summed ove
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch.func import grad_and_value

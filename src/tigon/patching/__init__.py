@@ -2,7 +2,14 @@
 
 from tigon.patching.families import BY_MODEL_TYPE, FAMILIES, Family
 from tigon.patching.forwards import TigonPatchError
-from tigon.patching.patcher import PATCHERS, PatchReport, apply_family, patch, patched, unpatch
+from tigon.patching.patcher import (
+           PATCHERS,
+           PatchReport,
+           apply_family,
+           patch,
+           patched,
+           unpatch,
+)
 
 globals().update(PATCHERS)
 

@@ -71,7 +71,7 @@ def identify_activation(act: nn.Module | None) -> str | None:
     try:
         with torch.no_grad():
             y = act(_PROBE.to(torch.float32)).to(torch.float64)
-    except Exception:  # noqa: BLE001 - an activation we cannot evaluate is one we do not know
+    except Exception:  # an activation we cannot evaluate is one we do not know
         return None
     for name, ref in _ACTIVATIONS.items():
         if torch.allclose(y, ref(_PROBE), atol=1e-5, rtol=1e-5):

@@ -243,7 +243,7 @@ def _identify_rms_norm(module) -> tuple[str, float] | None:
                 ref = _rms_reference(x, weight, eps, casting, offset).float()
                 if torch.allclose(y, ref, rtol=1e-3, atol=1e-5):
                     return casting, offset
-    except Exception:  # noqa: BLE001 - a module we cannot evaluate is one we leave alone
+    except Exception:  # a module we cannot evaluate is one we leave alone
         return None
     return None
 
@@ -285,7 +285,7 @@ def _mlp_matches_formula(m) -> bool:
         with torch.no_grad():
             ref = m.down_proj(m.act_fn(m.gate_proj(x)) * m.up_proj(x))
             return torch.allclose(m(x).float(), ref.float(), rtol=1e-3, atol=1e-4)
-    except Exception:  # noqa: BLE001
+    except Exception:  # likewise
         return False
 
 
