@@ -23,14 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import (
-    capturing,
-    cdiv,
-    check_same_device,
-    check_tensor,
-    new_output,
-    next_pow2,
-)
+from tigon.ops._common import capturing, cdiv, check_same_device, check_tensor, new_output, next_pow2
 
 REDUCTIONS = ("mean", "sum", "none")
 

@@ -37,34 +37,39 @@ log = logging.getLogger("tigon")
 _ORIGINALS: dict[tuple[int, str], tuple[object, str, object, bool]] = {}
 
 
+def _is_shared(owner) -> bool:
+    return isinstance(owner, (type, types.ModuleType))
+
+
+def _assign(owner, name, value):
+    """owner.name = value; on an instance, straight into its __dict__ (nn.Module.__setattr__
+    would register modules)."""
+    if _is_shared(owner):
+        setattr(owner, name, value)
+    else:
+        owner.__dict__[name] = value
+
+
 def _set(owner, name, value):
     """owner.name = value, remembering the first original for unpatch."""
     key = (id(owner), name)
     if key not in _ORIGINALS:
-        had = name in vars(owner) if not isinstance(owner, nn.Module) else name in owner.__dict__
-        _ORIGINALS[key] = (owner, name, vars(owner).get(name) if had else None, had)
-    if isinstance(owner, type) or isinstance(owner, types.ModuleType):
-        setattr(owner, name, value)
-    else:
-        owner.__dict__[name] = value  # instance attribute (nn.Module.__setattr__ would register modules)
+        own = vars(owner)
+        _ORIGINALS[key] = (owner, name, own.get(name), name in own)
+    _assign(owner, name, value)
 
 
 def unpatch(keep: int = 0) -> int:
     """Undo every tigon patch (classes, module functions, instances), or all but the first
     ``keep`` recorded ones. Returns how many were undone."""
-    count = 0
     entries = list(_ORIGINALS.items())[keep:]
     for key, (owner, name, value, had) in reversed(entries):
         del _ORIGINALS[key]
         if had:
-            setattr(owner, name, value) if isinstance(owner, (type, types.ModuleType)) else \
-                owner.__dict__.__setitem__(name, value)
-        else:
-            target = vars(owner) if isinstance(owner, (type, types.ModuleType)) else owner.__dict__
-            if name in target:
-                delattr(owner, name) if isinstance(owner, (type, types.ModuleType)) else target.pop(name)
-        count += 1
-    return count
+            _assign(owner, name, value)
+        elif name in vars(owner):
+            delattr(owner, name) if _is_shared(owner) else vars(owner).pop(name)
+    return len(entries)
 
 
 @contextlib.contextmanager
