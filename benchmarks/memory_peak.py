@@ -17,12 +17,16 @@ GiB = 2**30
 class Probe:
     """Peak allocated memory per segment between hook events."""
 
-    def __init__(self):
+    def __init__(self, detail=()):
         self.rows = []
         self.last = "start"
+        self.detail = set(detail)
+        self.blocks = {}
 
     def mark(self, name):
         torch.cuda.synchronize()
+        if name in self.detail:
+            self.blocks[name] = live_blocks()
         self.rows.append((self.last, name, torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()))
         torch.cuda.reset_peak_memory_stats()
         self.last = name
@@ -34,6 +38,17 @@ class Probe:
         module.register_full_backward_hook(lambda *a: self.mark(f"{name} bwd end"))
 
 
+def live_blocks():
+    """Allocated blocks by size (MiB, rounded) -> count, from the caching allocator's snapshot."""
+    sizes = {}
+    for seg in torch.cuda.memory_snapshot():
+        for block in seg["blocks"]:
+            if block["state"] == "active_allocated":
+                mib = round(block["size"] / 2**20, 1)
+                sizes[mib] = sizes.get(mib, 0) + 1
+    return sizes
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="llama-1b", choices=list(SHAPES))
@@ -41,6 +56,8 @@ def main():
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--detail", nargs="*", default=["layer0.mlp bwd start", "layer0.mlp bwd end"],
+                   help="hook events at which to list the live blocks by size")
     args = p.parse_args()
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -63,7 +80,7 @@ def main():
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    probe = Probe()
+    probe = Probe(args.detail)
     inner = model.get_decoder()
     probe.attach(inner.embed_tokens, "embed")
     for i, layer in enumerate(inner.layers):
@@ -85,6 +102,10 @@ def main():
     print(f"{args.impl} {args.shape}: segments with the highest peaks (GiB: peak, allocated at the segment's end)")
     for before, after, peak, alloc in rows[:args.top]:
         print(f"  {peak / GiB:6.2f} {alloc / GiB:6.2f}  {before} -> {after}")
+    for name, sizes in probe.blocks.items():
+        total = sum(mib * n for mib, n in sizes.items()) / 1024
+        big = ", ".join(f"{n} x {mib:g}" for mib, n in sorted(sizes.items(), reverse=True) if mib >= 1)
+        print(f"live blocks at {name}: {total:.2f} GiB; MiB sizes >= 1: {big}")
 
 
 if __name__ == "__main__":

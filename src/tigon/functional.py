@@ -11,6 +11,8 @@ from tigon.ops import (
     GLUDownProjFunction,
     GLUFunction,
     LayerNormFunction,
+    LinearJSDFunction,
+    LinearTokenLogpsFunction,
     RMSNormFunction,
     RoPEFunction,
 )
@@ -59,12 +61,14 @@ def geglu(a, b, approximate="tanh") -> torch.Tensor:
     return GLUFunction.apply(a, b, _GELU_APPROXIMATIONS[approximate])
 
 
-def glu_down_proj(a, b, down_weight, down_bias=None, activation="silu") -> torch.Tensor:
+def glu_down_proj(a, b, down_weight, down_bias=None, activation="silu", reuse_inputs=False) -> torch.Tensor:
     """(act(a) * b) @ down_weight.T + down_bias, keeping only a and b for the backward.
 
-    activation: "silu", "gelu_tanh" or "gelu_erf".
+    activation: "silu", "gelu_tanh" or "gelu_erf". reuse_inputs=True lets the backward write
+    the gradients of a and b over a and b (saves two [tokens, I] buffers; a and b must be
+    intermediates nothing else reads, and backward can then run only once).
     """
-    return GLUDownProjFunction.apply(a, b, down_weight, down_bias, activation)
+    return GLUDownProjFunction.apply(a, b, down_weight, down_bias, activation, reuse_inputs)
 
 
 def cross_entropy(logits, target, ignore_index=-100, reduction="mean", label_smoothing=0.0, weight=None,
@@ -104,6 +108,33 @@ def fused_linear_cross_entropy(x, weight, target, bias=None, ignore_index=-100, 
         x, weight, target, bias, ignore_index, reduction, label_smoothing, ce_weight, lse_square_scale, softcap,
         return_z_loss, return_token_accuracy, chunk_budget, accum_dtype, torch.is_grad_enabled())
     return _loss_outputs(loss, z_loss, accuracy, target, reduction, return_z_loss, return_token_accuracy)
+
+
+def linear_token_logps(x, weight, target, bias=None, ignore_index=-100) -> torch.Tensor:
+    """log softmax(x @ weight.T + bias)[target] per row, 0 where target == ignore_index.
+
+    x [..., H], weight [V, H], bias [V] or None, target [...] -> fp32 [...]. Forms the rows'
+    [rows, V] logits once (meant for a chunk of a batch, as the post-training losses use it)
+    and keeps their gradient for a two-matmul backward.
+    """
+    x2 = x.reshape(-1, x.shape[-1])
+    compute_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    logp, _ = LinearTokenLogpsFunction.apply(x2, weight, bias, target.reshape(-1), ignore_index, compute_grad)
+    return logp.view(target.shape)
+
+
+def linear_jsd(x, weight, teacher_x, teacher_weight, bias=None, teacher_bias=None, beta=0.5, temperature=1.0):
+    """Generalised JSD per row between the student x @ weight.T + bias and the teacher
+    teacher_x @ teacher_weight.T + teacher_bias (beta 0: KL(teacher || student), 1: KL(student
+    || teacher)), logits divided by temperature. x [..., Hs], teacher_x [..., Ht] -> fp32 [...].
+    Gradients flow to the student only. Forms the rows' logits once (meant for a chunk)."""
+    lead = x.shape[:-1]
+    compute_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    loss, _ = LinearJSDFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias,
+                                      teacher_x.reshape(-1, teacher_x.shape[-1]).detach(), teacher_weight.detach(),
+                                      None if teacher_bias is None else teacher_bias.detach(), float(beta),
+                                      float(temperature), compute_grad)
+    return loss.view(lead)
 
 
 def _loss_outputs(loss, z_loss, accuracy, target, reduction, return_z_loss, return_token_accuracy):

@@ -3,6 +3,7 @@ import torch
 
 from tests.helpers import DTYPES, check_op, pick, randn, up
 from tigon import functional as F
+from tigon.ops import GLUDownProjFunction
 
 SHAPES = pick(cpu=[(2, 3, 37), (5, 1100), (1, 7)], gpu=[(4, 1024, 14336), (8191, 11008), (3, 4099)])
 
@@ -56,6 +57,50 @@ def test_glu_down_proj_matches_reference(dtype, activation, bias):
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-3
     check_op(lambda a, b, w, bvec: F.glu_down_proj(a, b, w, bvec, activation), ref, [a, b, w, bvec],
              dtype=dtype, tol=tol, what=f"glu_down_proj[{activation}]")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reuse_inputs", [False, True])
+@pytest.mark.parametrize("fused_halves", [False, True])
+def test_glu_down_proj_backward_in_column_slices(dtype, reuse_inputs, fused_halves):
+    """The backward in ragged column slices (3 slices of 16, 16, 8 columns on the CPU), writing
+    da / db over a / b or not, with a and b as plain tensors or halves of one gate_up output."""
+    tokens, hidden, inter = pick((3, 7), (2, 1023)), pick(24, 2048), pick(40, 5632 + 64)
+    slice_columns = pick(16, 2048)
+    x = randn((*tokens, hidden), dtype, requires_grad=True)
+    wg = randn((2 * inter, hidden), dtype, scale=hidden**-0.5, requires_grad=True)
+    wd = randn((hidden, inter), dtype, scale=inter**-0.5, requires_grad=True)
+
+    def projections(x, wg):
+        gate_up = torch.nn.functional.linear(x, wg)
+        if fused_halves:
+            return gate_up.chunk(2, dim=-1)
+        return gate_up[..., :inter].contiguous(), gate_up[..., inter:].contiguous()
+
+    def fn(x, wg, wd):
+        return GLUDownProjFunction.apply(*projections(x, wg), wd, None, "silu", reuse_inputs, slice_columns)
+
+    def ref(x, wg, wd):
+        return torch.nn.functional.linear(ref_glu(*projections(x, wg), "silu"), wd)
+
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-3
+    check_op(fn, ref, [x, wg, wd], dtype=dtype, tol=tol, what="glu_down_proj slices")
+
+
+def test_glu_down_proj_reuse_inputs_guards():
+    """After writing over a and b, a second backward raises, and so does another reader of a."""
+    a0 = randn((5, 40), torch.float32, requires_grad=True)
+    b0 = randn((5, 40), torch.float32, requires_grad=True)
+    w = randn((8, 40), torch.float32, requires_grad=True)
+    out = F.glu_down_proj(a0 * 2, b0 * 2, w, reuse_inputs=True).sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward twice"):
+        out.backward()
+    a = a0 * 2
+    other = (a**2).sum()  # created first, so its backward runs after the GLU's and reads a
+    out = F.glu_down_proj(a, b0 * 2, w, reuse_inputs=True).sum()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (out + other).backward()
 
 
 def test_glu_bad_inputs():

@@ -42,7 +42,7 @@ class _TigonGLUMLP(nn.Module):
 
     def forward(self, x):
         return GLUDownProjFunction.apply(
-            self.gate_proj(x), self.up_proj(x), self.down_proj.weight, self.down_proj.bias, self.activation
+            self.gate_proj(x), self.up_proj(x), self.down_proj.weight, self.down_proj.bias, self.activation, True
         )
 
     def extra_repr(self) -> str:

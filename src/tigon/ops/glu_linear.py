@@ -3,8 +3,13 @@
 out = (act(a) * b) @ down_weight^T (+ down_bias), for a, b [..., I] and down_weight [H, I].
 Autograd would keep c = act(a) * b alive for the down projection's weight gradient; this
 function keeps only a and b and recomputes c (one cheap elementwise pass) in the backward,
-saving one [tokens, I] activation per MLP layer. The backward then writes da over dc and db
-over the recomputed c, so it allocates no [tokens, I] buffer beyond those two.
+saving one [tokens, I] activation per MLP layer.
+
+The backward walks the I columns in a few slices: dc_j = dout @ W[:, j], c_j, dW[:, j] =
+dout^T c_j, then da_j / db_j. Its transient memory is two [tokens, I / n_slices] buffers, not
+two [tokens, I]. With reuse_inputs=True, da and db are written over a and b (dead after their
+slice is read), so the backward allocates nothing of [tokens, I]; a and b must then be
+intermediates nothing else reads (as in an MLP), and the backward can run only once.
 """
 
 from __future__ import annotations
@@ -12,14 +17,34 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tigon.ops._common import as_rows, check_same_device, check_tensor
+from tigon.ops._common import as_rows, check_same_device, check_tensor, new_output
 from tigon.ops.glu import check_glu_args, glu_backward, glu_forward
+
+# Columns per backward slice: slices stay large matmuls (N >= 1024 at I >= 4096) while the
+# transient (dc_j and c_j) is a quarter of an intermediate.
+BACKWARD_SLICES = 4
+MIN_SLICE_COLUMNS = 1024
+
+
+def backward_slice_columns(n_cols: int, min_columns: int = MIN_SLICE_COLUMNS) -> int:
+    """Columns of one backward slice of an I = n_cols wide intermediate (a multiple of 64)."""
+    width = -(-n_cols // BACKWARD_SLICES)
+    width = -(-width // 64) * 64
+    return min(n_cols, max(width, min_columns))
+
+
+def _increment_version(*tensors):
+    """Tell autograd that a and b were overwritten: a later reader of them raises, not misreads."""
+    bump = getattr(torch.autograd.graph, "increment_version", None)
+    for t in tensors:
+        bump(t) if bump is not None else torch._C._increment_version(t)
 
 
 class GLUDownProjFunction(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, a, b, down_weight, down_bias=None, activation="silu"):
+    def forward(ctx, a, b, down_weight, down_bias=None, activation="silu", reuse_inputs=False,
+                slice_columns=None):
         check_glu_args(a, b, activation)
         check_tensor("down_weight", down_weight, ndim=2)
         if down_weight.shape[1] != a.shape[-1]:
@@ -40,25 +65,53 @@ class GLUDownProjFunction(torch.autograd.Function):
         ctx.activation = activation
         ctx.matmul_dtype = out.dtype
         ctx.bias_dtype = None if down_bias is None else down_bias.dtype
+        ctx.reuse_inputs = bool(reuse_inputs)
+        ctx.slice_columns = slice_columns or backward_slice_columns(a2.shape[1])
+        ctx.consumed = False
         return out.view(*a.shape[:-1], out.shape[-1])
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dout):
+        if ctx.consumed:
+            raise RuntimeError(
+                "GLUDownProjFunction with reuse_inputs=True wrote its backward over a and b, so it cannot "
+                "run backward twice (retain_graph=True); use reuse_inputs=False for that"
+            )
         a2, b2, w = ctx.saved_tensors
         mm = ctx.matmul_dtype
         dout2 = dout.reshape(-1, dout.shape[-1]).to(mm)
-        c = glu_forward(a2, b2, ctx.activation)
-        d_weight = d_bias = da = db = None
-        if ctx.needs_input_grad[2]:
-            d_weight = (dout2.t() @ c.to(mm)).to(w.dtype)
-        if ctx.needs_input_grad[3]:
+        need_w, need_bias = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        need_ab = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        n_cols = a2.shape[1]
+        d_bias = da = db = d_weight = None
+        if need_bias:
             d_bias = dout2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            dc = dout2 @ w.to(mm)
-            da_out = dc if dc.dtype == a2.dtype else None
-            # c is dead once the weight gradient is formed: db is written over it.
-            da, db = glu_backward(dc, a2, b2, ctx.activation, da_out=da_out, db_out=c)
-            shape = dout.shape[:-1] + (a2.shape[-1],)
+        if need_w:
+            d_weight = new_output(w.shape, w.dtype, w.device)
+        in_place = ctx.reuse_inputs and a2.dtype == mm
+        if need_ab:
+            da = a2 if in_place else new_output(a2.shape, a2.dtype, a2.device)
+            db = b2 if in_place else new_output(b2.shape, b2.dtype, b2.device)
+        w_mm = w.to(mm)
+        for start in range(0, n_cols, ctx.slice_columns):
+            cols = slice(start, min(start + ctx.slice_columns, n_cols))
+            a_j, b_j = a2[:, cols], b2[:, cols]
+            if need_w:
+                c_j = glu_forward(a_j, b_j, ctx.activation).to(mm)
+                if d_weight.dtype == mm:
+                    torch.mm(dout2.t(), c_j, out=d_weight[:, cols])
+                else:
+                    d_weight[:, cols] = dout2.t() @ c_j
+                del c_j
+            if need_ab:
+                dc_j = dout2 @ w_mm[:, cols]
+                glu_backward(dc_j, a_j, b_j, ctx.activation, da_out=da[:, cols], db_out=db[:, cols])
+                del dc_j
+        if need_ab:
+            if in_place:
+                ctx.consumed = True
+                _increment_version(a2, b2)
+            shape = dout.shape[:-1] + (n_cols,)
             da, db = da.view(shape), db.view(shape)
-        return da, db, d_weight, d_bias, None
+        return da, db, d_weight, d_bias, None, None, None

@@ -96,7 +96,7 @@ def mlp_activation(module: nn.Module) -> str:
 def _glu_then_down(module, gate, up, down):
     activation = mlp_activation(module)
     if type(down) is nn.Linear:  # plain Linear: fuse, recompute the activation in the backward
-        return _glu_down(gate, up, down.weight, down.bias, activation)
+        return _glu_down(gate, up, down.weight, down.bias, activation, True)  # gate/up: ours to overwrite
     return down(_glu(gate, up, activation))  # LoRA / quantised layers keep their forward
 
 
