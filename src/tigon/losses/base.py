@@ -83,6 +83,9 @@ class ChunkedLossFunction(torch.autograd.Function):
                         grads[i] = gi.to(inputs[i].dtype)
                     else:
                         grads[i].add_(gi)
+                # The chunk's gradients (a [V, H] head gradient among them) must not live on
+                # into the next chunk: that would hold one more head gradient at the peak.
+                del g, gi
             loss_c = loss_c.detach().float()
             total = loss_c if total is None else total + loss_c
             for k, v in metrics.items():

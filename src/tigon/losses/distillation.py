@@ -16,9 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tigon.functional import linear_jsd
 from tigon.losses.base import contiguous_chunks, head_logits, run_chunked
+from tigon.ops.jsd import check_jsd_options
 
-DEFAULT_CHUNK_BUDGET = 1 << 30  # bytes of fp32 chunk temporaries (about six [rows, V] tensors)
+DEFAULT_CHUNK_BUDGET = 1 << 30  # bytes of chunk logits (student + teacher) or fp32 temporaries (compiled)
 
 
 def generalized_jsd(student_logits, teacher_logits, beta, temperature):
@@ -33,15 +35,8 @@ def generalized_jsd(student_logits, teacher_logits, beta, temperature):
     return beta * (t.exp() * (t - m)).sum(-1) + (1 - beta) * (s.exp() * (s - m)).sum(-1)
 
 
-def _check(beta, temperature):
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta must be in [0, 1], got {beta}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
-
-
-def _rows_for_budget(vocab, budget):
-    return max(1, int(budget) // max(1, 6 * 4 * vocab))
+def _rows_for_budget(vocab, budget, bytes_per_logit=6 * 4):
+    return max(1, int(budget) // max(1, bytes_per_logit * vocab))
 
 
 def fused_linear_jsd(student_x, student_weight, teacher_x, teacher_weight, target=None, student_bias=None,
@@ -50,7 +45,7 @@ def fused_linear_jsd(student_x, student_weight, teacher_x, teacher_weight, targe
     """JSD(student_x @ student_weight.T, teacher_x @ teacher_weight.T) without the full logits.
     student_x [..., Hs], teacher_x [..., Ht] over the same tokens, weights [V, Hs] / [V, Ht],
     target [...] (only its ignore_index positions matter) or None. Returns (loss, metrics)."""
-    _check(beta, temperature)
+    check_jsd_options(beta, temperature)
     sx, tx = student_x.reshape(-1, student_x.shape[-1]), teacher_x.reshape(-1, teacher_x.shape[-1])
     if sx.shape[0] != tx.shape[0]:
         raise ValueError(f"student_x has {sx.shape[0]} tokens but teacher_x has {tx.shape[0]}")
@@ -66,12 +61,17 @@ def fused_linear_jsd(student_x, student_weight, teacher_x, teacher_weight, targe
     n_valid = mask.sum().clamp_min(1)
 
     def chunk_fn(sxc, txc, mc, sw, sb, tw, tb):
-        with torch.no_grad():
-            t_logits = head_logits(txc, tw, tb)
-        per_token = generalized_jsd(head_logits(sxc, sw, sb), t_logits, beta, temperature) * mc
-        return per_token.sum() / n_valid, {}
+        if compiled:  # plain torch on fp32 logits, for torch.compile to fuse
+            with torch.no_grad():
+                t_logits = head_logits(txc, tw, tb)
+            per_token = generalized_jsd(head_logits(sxc, sw, sb), t_logits, beta, temperature)
+        else:  # tigon's JSD kernel on the chunk's logits in the inputs' dtypes
+            per_token = linear_jsd(sxc, sw, txc, tw, sb, tb, beta=beta, temperature=temperature)
+        return (per_token * mc).sum() / n_valid, {}
 
-    rows = chunk_rows or _rows_for_budget(student_weight.shape[0], chunk_budget)
+    # The fused path holds the student's and the teacher's chunk logits; torch's about six fp32 [rows, V].
+    per_logit = 6 * 4 if compiled else sx.element_size() + tx.element_size()
+    rows = chunk_rows or _rows_for_budget(student_weight.shape[0], chunk_budget, per_logit)
     detach = (lambda t: t.detach() if t is not None else None)
     loss, metrics = run_chunked(chunk_fn, [sx, detach(tx), mask], [student_weight, student_bias,
                                                                   detach(teacher_weight), detach(teacher_bias)],
@@ -82,7 +82,7 @@ def fused_linear_jsd(student_x, student_weight, teacher_x, teacher_weight, targe
 def jsd_loss(student_logits, teacher_logits, target=None, *, beta=0.5, temperature=1.0, ignore_index=-100,
              chunk_rows=None, chunk_budget=DEFAULT_CHUNK_BUDGET):
     """Generalised JSD over logits [..., V] that already exist (fp32 math a chunk of rows at a time)."""
-    _check(beta, temperature)
+    check_jsd_options(beta, temperature)
     s, t = student_logits.reshape(-1, student_logits.shape[-1]), teacher_logits.reshape(-1, teacher_logits.shape[-1])
     if s.shape != t.shape:
         raise ValueError(f"student_logits {tuple(student_logits.shape)} and teacher_logits "

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tigon.functional import linear_token_logps
 from tigon.losses.base import contiguous_chunks, head_logits, run_chunked, token_logps
 
 DPO_TYPES = ("sigmoid", "ipo", "hinge")
@@ -70,14 +71,32 @@ def check_preference_args(x, weight, target, bias, ref_x, ref_weight, ref_chosen
         raise ValueError("give both ref_chosen_logps and ref_rejected_logps, or neither")
 
 
-def sequence_logps(x, weight, bias, target, ignore_index, average):
-    """Per-sequence sum (or mean) of log p(target), and per-sequence sums of the logits."""
-    logits = head_logits(x, weight, bias)
-    lp, mask = token_logps(logits, target, ignore_index)
+def sequence_logps(x, weight, bias, target, ignore_index, average, fused=True):
+    """Per-sequence sum (or mean) of log p(target) [S], and the per-token log-probs [S, T].
+
+    fused: tigon's linear_token_logps (the cross-entropy kernel on the chunk's logits, in x's
+    dtype); otherwise plain torch on fp32 logits (what torch.compile fuses)."""
+    if fused:
+        lp = linear_token_logps(x, weight, target, bias, ignore_index)
+        mask = target != ignore_index
+    else:
+        lp, mask = token_logps(head_logits(x, weight, bias), target, ignore_index)
     logps = lp.sum(-1)
     if average:
         logps = logps / mask.sum(-1).clamp_min(1)
-    return logps, lp, logits.sum((-1, -2))
+    return logps, lp
+
+
+def logit_sums(x, weight_colsum, bias_sum):
+    """Per-sequence sum of the logits over tokens and vocab, x [S, T, H] -> [S] fp32, from the
+    head's column sums [H] (no logits needed: sum_v (x w_v + b_v) = x . sum_v w_v + sum_v b_v)."""
+    return (x.detach().float() @ weight_colsum).sum(-1) + bias_sum * x.shape[1]
+
+
+def head_sums(weight, bias):
+    """(sum over V of weight's rows [H] fp32, sum of bias or 0) for logit_sums."""
+    colsum = weight.detach().sum(0, dtype=torch.float32)
+    return colsum, (bias.detach().float().sum() if bias is not None else 0.0)
 
 
 def _run(pair_loss, options, x, weight, target, bias, ref_x=None, ref_weight=None, ref_bias=None,
@@ -88,19 +107,22 @@ def _run(pair_loss, options, x, weight, target, bias, ref_x=None, ref_weight=Non
     chosen_tokens = (target[:pairs] != ignore_index).sum().clamp_min(1)
     per_side_logits = pairs * x.shape[1] * weight.shape[0]
     ref_logps = None if ref_chosen_logps is None else torch.cat((ref_chosen_logps, ref_rejected_logps)).float()
+    colsum, bias_sum = head_sums(weight, bias)
+    fused = not compiled
 
     def chunk_fn(xc, tc, ref_xc, ref_lp, w, b, ref_w, ref_b):
         n = xc.shape[0] // 2
-        logps, lp, logit_sums = sequence_logps(xc, w, b, tc, ignore_index, average_log_prob)
+        logps, lp = sequence_logps(xc, w, b, tc, ignore_index, average_log_prob, fused)
+        sums = logit_sums(xc, colsum, bias_sum)
         if ref_xc is not None:
             with torch.no_grad():
-                ref_lp, _, _ = sequence_logps(ref_xc, ref_w, ref_b, tc, ignore_index, average_log_prob)
+                ref_lp, _ = sequence_logps(ref_xc, ref_w, ref_b, tc, ignore_index, average_log_prob, fused)
         ref_c, ref_r = (None, None) if ref_lp is None else (ref_lp[:n], ref_lp[n:])
         losses, metrics = pair_loss(logps[:n], logps[n:], ref_c, ref_r, **options)
         loss = losses.sum() / pairs
         metrics = dict(metrics, chosen_logps=logps[:n], rejected_logps=logps[n:],
-                       chosen_logits_mean=logit_sums[:n].sum() / per_side_logits,
-                       rejected_logits_mean=logit_sums[n:].sum() / per_side_logits)
+                       chosen_logits_mean=sums[:n].sum() / per_side_logits,
+                       rejected_logits_mean=sums[n:].sum() / per_side_logits)
         if nll_weight:
             nll = -lp[:n].sum() / chosen_tokens
             loss = loss + nll_weight * nll
@@ -201,10 +223,10 @@ def kto_loss(x, weight, target, preference_labels, bias=None, *, beta=0.1, desir
     ref_lp_all = None if ref_logps is None else ref_logps.float()
 
     def chunk_fn(xc, tc, labels, ref_xc, ref_lp, w, b, ref_w, ref_b):
-        logps, _, _ = sequence_logps(xc, w, b, tc, ignore_index, average_log_prob)
+        logps, _ = sequence_logps(xc, w, b, tc, ignore_index, average_log_prob, not compiled)
         if ref_xc is not None:
             with torch.no_grad():
-                ref_lp, _, _ = sequence_logps(ref_xc, ref_w, ref_b, tc, ignore_index, average_log_prob)
+                ref_lp, _ = sequence_logps(ref_xc, ref_w, ref_b, tc, ignore_index, average_log_prob, not compiled)
         ratio = logps - (ref_lp if ref_lp is not None else 0.0)
         losses = torch.where(labels, desirable_weight * (1 - torch.sigmoid(beta * (ratio - kl_value))),
                              undesirable_weight * (1 - torch.sigmoid(beta * (kl_value - ratio))))

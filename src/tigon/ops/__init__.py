@@ -5,7 +5,9 @@ from tigon.ops.fused_add_rms_norm import FusedAddRMSNormFunction
 from tigon.ops.fused_linear_cross_entropy import FusedLinearCrossEntropyFunction
 from tigon.ops.glu import GLUFunction
 from tigon.ops.glu_linear import GLUDownProjFunction
+from tigon.ops.jsd import LinearJSDFunction
 from tigon.ops.layer_norm import LayerNormFunction
+from tigon.ops.linear_token_logps import LinearTokenLogpsFunction
 from tigon.ops.rms_norm import RMSNormFunction
 from tigon.ops.rope import RoPEFunction
 
@@ -16,6 +18,8 @@ __all__ = [
     "GLUDownProjFunction",
     "GLUFunction",
     "LayerNormFunction",
+    "LinearJSDFunction",
+    "LinearTokenLogpsFunction",
     "RMSNormFunction",
     "RoPEFunction",
 ]

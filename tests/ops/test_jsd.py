@@ -1,0 +1,74 @@
+import math
+
+import pytest
+import torch
+
+from tests.helpers import DTYPES, check_op, pick, randn
+from tigon import functional as F
+
+# (rows, student hidden, teacher hidden, vocab): odd sizes; V over one kernel block on the CPU.
+SHAPES = pick(cpu=[(13, 24, 40, 301), (4, 16, 8, 9001)], gpu=[(2048, 4096, 2048, 128256), (999, 1024, 1536, 32001)])
+
+
+def ref_jsd_rows(s_logits, t_logits, beta, temperature):
+    """TRL's generalised JSD per row, in the logits' dtype (float64 for the reference)."""
+    s = torch.log_softmax(s_logits / temperature, -1)
+    t = torch.log_softmax(t_logits / temperature, -1)
+    if beta == 0:
+        return (t.exp() * (t - s)).sum(-1)
+    if beta == 1:
+        return (s.exp() * (s - t)).sum(-1)
+    m = torch.logsumexp(torch.stack((s + math.log(1 - beta), t + math.log(beta))), 0)
+    return beta * (t.exp() * (t - m)).sum(-1) + (1 - beta) * (s.exp() * (s - m)).sum(-1)
+
+
+def ref_linear_jsd(x, w, tx, tw, b, beta, temperature):
+    s = x @ w.t()
+    if b is not None:
+        s = s + b
+    t = (tx @ tw.t()).to(s.dtype)
+    up = torch.float64 if s.dtype == torch.float64 else torch.float32
+    return ref_jsd_rows(s.to(up), t.to(up), beta, temperature)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("beta", [0.0, 1.0, 0.5, 0.1])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_linear_jsd_matches_reference(shape, dtype, beta, temperature):
+    n, hs, ht, v = shape
+    x = randn((n, hs), dtype, requires_grad=True)
+    w = randn((v, hs), dtype, scale=hs**-0.5 * 3, requires_grad=True)
+    b = randn((v,), dtype, scale=0.5, requires_grad=True) if beta == 0.5 else None
+    tx = randn((n, ht), dtype)
+    tw = randn((v, ht), dtype, scale=ht**-0.5 * 3)
+    check_op(lambda x, w, b: F.linear_jsd(x, w, tx, tw, b, beta=beta, temperature=temperature),
+             lambda x, w, b: ref_linear_jsd(x, w, tx.to(x.dtype), tw.to(x.dtype), b, beta, temperature),
+             [x, w, b], dtype=dtype, tol=1e-4 if dtype == torch.float32 else 3e-2,
+             noise_floor=4 * 2**-8 if dtype == torch.bfloat16 else 2e-5, worse_than_eager=3.0,
+             what=f"linear_jsd[beta={beta}, T={temperature}]")
+
+
+def test_linear_jsd_identical_models_give_zero():
+    """Student == teacher: every divergence is 0 and so is its gradient."""
+    x = randn((7, 16), torch.float32, requires_grad=True)
+    w = randn((301, 16), torch.float32, requires_grad=True)
+    for beta in (0.0, 0.3, 1.0):
+        loss = F.linear_jsd(x, w, x.detach(), w.detach(), beta=beta)
+        assert loss.abs().max() < 1e-5
+        (gx,) = torch.autograd.grad(loss.sum(), x)
+        assert gx.abs().max() < 1e-5
+
+
+def test_linear_jsd_bad_inputs():
+    x, w = randn((4, 8), torch.float32), randn((10, 8), torch.float32)
+    with pytest.raises(ValueError, match="beta"):
+        F.linear_jsd(x, w, x, w, beta=1.5)
+    with pytest.raises(ValueError, match="temperature"):
+        F.linear_jsd(x, w, x, w, temperature=0.0)
+    with pytest.raises(ValueError, match="teacher_x"):
+        F.linear_jsd(x, w, randn((5, 8), torch.float32), w)
+    with pytest.raises(ValueError, match="vocabularies"):
+        F.linear_jsd(x, w, x, randn((11, 8), torch.float32))
+    with pytest.raises(ValueError, match="teacher_weight"):
+        F.linear_jsd(x, w, x, randn((10, 7), torch.float32))
