@@ -1,6 +1,8 @@
-"""Train an HF model with and without tigon in one process, from the same weights and data:
-tokens/s, peak memory and losses. Run on a CUDA machine:
-``PYTHONPATH=src python benchmarks/train_hf.py --shape llama-1b --batch 8 --seq 1024 --steps 20``.
+"""Train an HF model with and without tigon (and Liger-Kernel, when installed) in one process,
+from the same weights and data: tokens/s, peak memory and losses. Run on a CUDA machine:
+``PYTHONPATH=src python benchmarks/train_hf.py --shape llama-1b --batch 8 --seq 1024 --steps 20``;
+``--batches 4 8 16 32`` sweeps the batch size (each implementation until it runs out of memory)
+and plots tokens/s and peak memory against it.
 
 bf16 weights, AdamW (fused by default), gradient checkpointing, random tokens (labels =
 inputs). Peak memory is torch.cuda.max_memory_allocated during the warm-up steps (weights,
@@ -25,10 +27,18 @@ SHAPES = {
     "qwen2.5-0.5b": ("qwen2", dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                                    intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
                                    max_position_embeddings=4096)),
+    # Gemma-2-2B: head_dim 256, final logit softcap 30, GeGLU (gelu tanh).
+    "gemma2-2b": ("gemma2", dict(hidden_size=2304, num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                                 head_dim=256, intermediate_size=9216, vocab_size=256000, tie_word_embeddings=True,
+                                 max_position_embeddings=4096)),
+    # Llama-3.1-8B.
+    "llama-8b": ("llama", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                               intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
+                               max_position_embeddings=4096)),
 }
 
 
-def run(impl, model_type, shape_kwargs, state, args):
+def run(impl, model_type, shape_kwargs, state, args, batch):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import tigon
@@ -41,13 +51,18 @@ def run(impl, model_type, shape_kwargs, state, args):
     report = None
     if impl == "tigon":
         report = str(tigon.patch(model, chunk_budget=args.chunk_mib * 2**20 if args.chunk_mib else None))
+    elif impl == "liger":
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=model)
+        report = "liger-kernel: _apply_liger_kernel_to_instance (its defaults)"
     model.gradient_checkpointing_enable()
     model.config.use_cache = False
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=args.adamw == "fused",
                             foreach=args.adamw == "foreach")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    batches = [torch.randint(0, config.vocab_size, (args.batch, args.seq), device="cuda", generator=gen)
+    batches = [torch.randint(0, config.vocab_size, (batch, args.seq), device="cuda", generator=gen)
                for _ in range(args.warmup + args.steps)]
     torch.cuda.synchronize()
     losses, start, peak_fb, peak_opt = [], None, 0, 0
@@ -70,7 +85,7 @@ def run(impl, model_type, shape_kwargs, state, args):
         losses.append(loss.detach())
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    result = dict(impl=impl, tokens_per_s=args.batch * args.seq * args.steps / seconds, step_s=seconds / args.steps,
+    result = dict(impl=impl, batch=batch, tokens_per_s=batch * args.seq * args.steps / seconds, step_s=seconds / args.steps,
                   peak_gib=max(peak_fb, peak_opt) / 2**30, peak_fwd_bwd_gib=peak_fb / 2**30,
                   peak_optimizer_gib=peak_opt / 2**30, losses=[float(x) for x in losses], report=report)
     del model, opt, batches
@@ -79,17 +94,79 @@ def run(impl, model_type, shape_kwargs, state, args):
     return result
 
 
+def run_or_oom(impl, model_type, shape_kwargs, state, args, batch):
+    """run(), or a row saying the batch did not fit (or the implementation failed)."""
+    import gc
+    import importlib
+
+    # Liger's instance patching also swaps module-level functions (RoPE): restore the modeling
+    # module afterwards, so that later plain-HF runs stay plain.
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    saved = dict(vars(modeling))
+    try:
+        return run(impl, model_type, shape_kwargs, state, args, batch)
+    except torch.OutOfMemoryError:
+        error = "out of memory"
+    except Exception as exc:  # e.g. a peer that does not support this transformers version
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    finally:
+        for name, value in saved.items():
+            if vars(modeling).get(name) is not value:
+                setattr(modeling, name, value)
+    gc.collect()
+    torch.cuda.empty_cache()
+    if impl == "tigon":
+        import tigon
+
+        tigon.unpatch()
+    return dict(impl=impl, batch=batch, error=error)
+
+
+def plot_sweep(results, path, title):
+    """tokens/s and peak memory against the batch size, one line per implementation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
+    names = {"hf": "HF", "tigon": "HF + tigon", "liger": "HF + Liger-Kernel"}
+    colours = {"hf": "#7f7f7f", "tigon": "#d62728", "liger": "#2ca02c"}
+    for impl in dict.fromkeys(r["impl"] for r in results):
+        ok = [r for r in results if r["impl"] == impl and "error" not in r]
+        if not ok:
+            continue
+        xs = [r["batch"] for r in ok]
+        ax_t.plot(xs, [r["tokens_per_s"] for r in ok], "o-", color=colours.get(impl), label=names.get(impl, impl))
+        ax_m.plot(xs, [r["peak_gib"] for r in ok], "o-", color=colours.get(impl), label=names.get(impl, impl))
+        oom = [r["batch"] for r in results if r["impl"] == impl and r.get("error") == "out of memory"]
+        if oom:
+            ax_m.axvline(min(oom), color=colours.get(impl), linestyle=":", linewidth=1)
+    ax_t.set_ylabel("tokens / s (higher is better)")
+    ax_m.set_ylabel("peak memory, GiB (lower is better)")
+    for ax in (ax_t, ax_m):
+        ax.set_xlabel("batch size (sequences); dotted: first batch out of memory")
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="llama-1b", choices=list(SHAPES))
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batches", type=int, nargs="*", help="a batch-size sweep (each implementation until OOM)")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--adamw", default="fused", choices=["fused", "foreach", "for-loop"],
                    help="torch AdamW implementation (foreach keeps temporaries the size of the weights)")
-    p.add_argument("--impls", default="hf,tigon")
+    p.add_argument("--impls", default="hf,tigon", help="comma-separated: hf, tigon, liger")
     p.add_argument("--chunk-mib", type=int, default=None, help="tigon's FLCE chunk budget (default 512 MiB)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -103,27 +180,48 @@ def main():
     n_params = sum(p.numel() for p in model.parameters())
     del model
     torch.cuda.empty_cache()
-    print(f"{args.shape}: {n_params / 1e9:.2f}B parameters, batch {args.batch} x {args.seq}, {torch.cuda.get_device_name()}",
+    batches = args.batches or [args.batch]
+    print(f"{args.shape}: {n_params / 1e9:.2f}B parameters, batch {batches} x {args.seq}, {torch.cuda.get_device_name()}",
           flush=True)
-    results = []
-    for impl in args.impls.split(","):
-        r = run(impl, model_type, shape_kwargs, state, args)
-        results.append(r)
-        print(f"{impl:6s}: {r['tokens_per_s']:9.0f} tokens/s, {r['step_s'] * 1e3:7.1f} ms/step, peak {r['peak_gib']:6.2f} GiB,"
-              f" (fwd+bwd {r['peak_fwd_bwd_gib']:.2f}, optimizer step {r['peak_optimizer_gib']:.2f}),"
-              f" losses {' '.join(f'{x:.4f}' for x in r['losses'][:6])}", flush=True)
-        if r["report"]:
-            print(r["report"])
-    if len(results) == 2:
-        a, b = results
-        print(f"{b['impl']} / {a['impl']}: {b['tokens_per_s'] / a['tokens_per_s']:.2f}x tokens/s, "
-              f"{100 * b['peak_gib'] / a['peak_gib']:.0f}% of the peak memory; first losses "
-              f"{a['losses'][0]:.4f} vs {b['losses'][0]:.4f}")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"train_{args.shape}.json"), "w") as f:
-            json.dump(dict(shape=args.shape, args=vars(args), device=torch.cuda.get_device_name(),
-                           torch=torch.__version__, results=results), f, indent=1)
+    results, failed = [], set()
+    for batch in batches:
+        for impl in args.impls.split(","):
+            if impl in failed:
+                continue
+            r = run_or_oom(impl, model_type, shape_kwargs, state, args, batch)
+            results.append(r)
+            save(args, n_params, results)
+            if "error" in r:
+                failed.add(impl)
+                print(f"{impl:6s} batch {batch}: {r['error']}", flush=True)
+                continue
+            print(f"{impl:6s} batch {batch}: {r['tokens_per_s']:9.0f} tokens/s, {r['step_s'] * 1e3:7.1f} ms/step, "
+                  f"peak {r['peak_gib']:6.2f} GiB, (fwd+bwd {r['peak_fwd_bwd_gib']:.2f}, optimizer step "
+                  f"{r['peak_optimizer_gib']:.2f}), losses {' '.join(f'{x:.4f}' for x in r['losses'][:6])}", flush=True)
+            if r["report"] and batch == batches[0]:
+                print(r["report"])
+        base = next((r for r in results if r["impl"] == "hf" and r["batch"] == batch and "error" not in r), None)
+        for r in results:
+            if base and r["batch"] == batch and r["impl"] != "hf" and "error" not in r:
+                print(f"  {r['impl']} / hf at batch {batch}: {r['tokens_per_s'] / base['tokens_per_s']:.2f}x tokens/s, "
+                      f"{100 * r['peak_gib'] / base['peak_gib']:.0f}% of the peak memory; first losses "
+                      f"{base['losses'][0]:.4f} vs {r['losses'][0]:.4f}")
+    save(args, n_params, results, final=True)
+
+
+def save(args, n_params, results, final=False):
+    """The JSON after every run (a cut-off sweep keeps what it measured), and the plot at the end."""
+    if not args.out:
+        return
+    os.makedirs(args.out, exist_ok=True)
+    name = f"train_{args.shape}" + ("_batch_sweep" if args.batches else "")
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+        json.dump(dict(shape=args.shape, params=n_params, args=vars(args), device=torch.cuda.get_device_name(),
+                       torch=torch.__version__, results=results), f, indent=1)
+    if args.batches and final:
+        plot_sweep(results, os.path.join(args.out, f"{name}.png"),
+                   f"{args.shape} ({n_params / 1e9:.2f}B), seq {args.seq}, bf16, AdamW, gradient checkpointing, "
+                   f"{torch.cuda.get_device_name()}")
 
 
 if __name__ == "__main__":

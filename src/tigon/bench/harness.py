@@ -55,8 +55,8 @@ def _outputs(out):
     return [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
 
 
-def _bench(fn, grad_to_none=None):
-    """Median ms; at least ~30 timed repeats however long one call is."""
+def _bench(fn, grad_to_none=None, repeats=30):
+    """Median ms; at least ~`repeats` timed repeats however long one call is."""
     from triton.testing import do_bench
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -66,11 +66,11 @@ def _bench(fn, grad_to_none=None):
     end.record()
     torch.cuda.synchronize()
     estimate = start.elapsed_time(end)
-    return float(do_bench(fn, warmup=max(25, 3 * estimate), rep=max(100, 30 * estimate),
+    return float(do_bench(fn, warmup=max(25, 3 * estimate), rep=max(100 * repeats / 30, repeats * estimate),
                           grad_to_none=grad_to_none, return_mode="median"))
 
 
-def _graph_ms(full: Callable, leaves: list) -> float:
+def _graph_ms(full: Callable, leaves: list, repeats: int = 30) -> float:
     """fwd+bwd captured once as a CUDA graph, then timed by replay: GPU time without host overhead."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -85,17 +85,20 @@ def _graph_ms(full: Callable, leaves: list) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         full()
-    ms = _bench(graph.replay)
+    ms = _bench(graph.replay, repeats=repeats)
     del graph
     for t in leaves:
         t.grad = None
     return ms
 
 
-def measure(fn: Callable, inputs: list, row: Row, limits: dict | None = None, grad_output: float | None = None) -> Row:
+def measure(fn: Callable, inputs: list, row: Row, limits: dict | None = None, grad_output: float | None = None,
+            quick: bool = False) -> Row:
     """Fill row with fwd / bwd / full / graph ms and peak MB of fn(*inputs) on the current device.
     The backward gets random cotangents, or every element equal to ``grad_output`` when given
-    (1.0: what ``loss.backward()`` passes to a scalar loss)."""
+    (1.0: what ``loss.backward()`` passes to a scalar loss). quick: ~10 repeats instead of ~30,
+    and the backward's time taken as fwd+bwd minus fwd rather than timed on its own."""
+    repeats = 10 if quick else 30
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     try:
         outs = [o for o in _outputs(fn(*inputs)) if o.requires_grad]
@@ -106,9 +109,11 @@ def measure(fn: Callable, inputs: list, row: Row, limits: dict | None = None, gr
         def full():
             torch.autograd.backward([o for o in _outputs(fn(*inputs)) if o.requires_grad], cotangents)
 
-        row.fwd_ms = _bench(lambda: fn(*inputs))
-        row.full_ms = _bench(full, grad_to_none=leaves)
+        row.fwd_ms = _bench(lambda: fn(*inputs), repeats=repeats)
+        row.full_ms = _bench(full, grad_to_none=leaves, repeats=repeats)
         try:
+            if quick:
+                raise RuntimeError("not timed on its own")
             outs = [o for o in _outputs(fn(*inputs)) if o.requires_grad]
             row.bwd_ms = _bench(lambda: torch.autograd.backward(outs, cotangents, retain_graph=True),
                                 grad_to_none=leaves)
@@ -130,7 +135,7 @@ def measure(fn: Callable, inputs: list, row: Row, limits: dict | None = None, gr
         for t in leaves:
             t.grad = None
         try:
-            row.graph_ms = _graph_ms(full, leaves)
+            row.graph_ms = _graph_ms(full, leaves, repeats)
         except Exception as exc:  # not capturable (a host sync inside): eager times only
             row.extra["graph_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
             torch.cuda.synchronize()
@@ -175,6 +180,18 @@ def measure_limits(device="cuda") -> dict:
     }
 
 
+def gpu_ms(row: Row) -> float | None:
+    """GPU time of fwd+bwd: the CUDA-graph replay, else the eager-dispatch time."""
+    return row.graph_ms or row.full_ms
+
+
+def speedups(rows: list[Row]) -> dict:
+    """(op, shape, impl) -> torch eager's GPU ms / this row's, for rows with both."""
+    eager = {(r.op, r.shape): gpu_ms(r) for r in rows if r.impl == "torch eager" and not r.error and gpu_ms(r)}
+    return {(r.op, r.shape, r.impl): eager[(r.op, r.shape)] / gpu_ms(r)
+            for r in rows if not r.error and gpu_ms(r) and (r.op, r.shape) in eager}
+
+
 def markdown_table(rows: list[Row]) -> str:
     """One line per (op, shape, impl).
 
@@ -182,10 +199,7 @@ def markdown_table(rows: list[Row]) -> str:
     from Python (host overhead included). Speed-up, achieved rate and fraction of the limit are
     from GPU ms, relative to torch eager of the same op and shape.
     """
-    def gpu(r):
-        return r.graph_ms or r.full_ms
-
-    eager = {(r.op, r.shape): gpu(r) for r in rows if r.impl == "torch eager" and gpu(r)}
+    ratio = speedups(rows)
     lines = [
         "| op | shape | impl | fwd ms | bwd ms | fwd+bwd eager ms | fwd+bwd GPU ms | vs eager | peak MB "
         "| peak - grads MB | achieved | of limit |",
@@ -195,14 +209,15 @@ def markdown_table(rows: list[Row]) -> str:
         if r.error:
             lines.append(f"| {r.op} | {r.shape} | {r.impl} | failed: {r.error} | | | | | | | | |")
             continue
-        base = eager.get((r.op, r.shape))
-        speed = f"{base / gpu(r):.2f}x" if base and gpu(r) else ""
+        speed = f"{ratio[(r.op, r.shape, r.impl)]:.2f}x" if (r.op, r.shape, r.impl) in ratio else ""
         achieved = f"{r.gbps:.0f} GB/s" if r.gbps else (f"{r.tflops:.0f} TFLOP/s" if r.tflops else "")
         frac = f"{100 * r.frac_of_limit:.0f}%" if r.frac_of_limit else ""
         graph = f"{r.graph_ms:.3f}" if r.graph_ms else "n/a"
-        extra = f"{r.peak_mb - r.grads_mb:.0f}" if r.grads_mb is not None else ""
+        extra = f"{r.peak_mb - r.grads_mb:.0f}" if r.grads_mb is not None and r.peak_mb is not None else ""
+        ms = [f"{v:.3f}" if v is not None else "" for v in (r.fwd_ms, r.bwd_ms, r.full_ms)]
+        peak = f"{r.peak_mb:.0f}" if r.peak_mb is not None else ""
         lines.append(
-            f"| {r.op} | {r.shape} | {r.impl} | {r.fwd_ms:.3f} | {r.bwd_ms:.3f} | {r.full_ms:.3f} | {graph} "
-            f"| {speed} | {r.peak_mb:.0f} | {extra} | {achieved} | {frac} |"
+            f"| {r.op} | {r.shape} | {r.impl} | {ms[0]} | {ms[1]} | {ms[2]} | {graph} "
+            f"| {speed} | {peak} | {extra} | {achieved} | {frac} |"
         )
     return "\n".join(lines)

@@ -12,7 +12,6 @@ import gc
 import json
 import os
 import sys
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,6 +19,7 @@ import torch
 
 from tigon import functional as TF
 from tigon.bench.harness import Row, generator, markdown_table, measure, measure_limits
+from tigon.bench.report import merge_results, write_results
 
 
 @dataclass
@@ -31,6 +31,7 @@ class Case:
     bytes_full: int | None = None
     flops_full: int | None = None
     grad_output: float | None = None  # None: random cotangents; a loss's cases use 1 (loss.backward())
+    size: tuple | None = None  # (axis name, value) when the case is a point of a size sweep (plotted)
 
 
 def _liger():
@@ -117,7 +118,7 @@ def norm_cases(rows_cols, liger):
         impls = {"tigon": TF.rms_norm, "torch eager": eager_rms_norm, "torch.compile": _compiled(eager_rms_norm)}
         if liger:
             impls["liger"] = lambda x, w: liger.liger_rms_norm(x, w, 1e-6)
-        cases.append(Case("rms_norm", shape, rms_inputs, impls, bytes_full=5 * m * n * elt))
+        cases.append(Case("rms_norm", shape, rms_inputs, impls, bytes_full=5 * m * n * elt, size=("hidden", n)))
 
         def ln_inputs(m=m, n=n):
             return [_randn(m, n, shift=2.0), _randn(n, scale=0.1, shift=1.0), _randn(n, scale=0.1)]
@@ -125,7 +126,7 @@ def norm_cases(rows_cols, liger):
         impls = {"tigon": TF.layer_norm, "torch eager": eager_layer_norm, "torch.compile": _compiled(eager_layer_norm)}
         if liger:
             impls["liger"] = lambda x, w, b: liger.liger_layer_norm(x, w, b, 1e-5)
-        cases.append(Case("layer_norm", shape, ln_inputs, impls, bytes_full=5 * m * n * elt))
+        cases.append(Case("layer_norm", shape, ln_inputs, impls, bytes_full=5 * m * n * elt, size=("hidden", n)))
 
         def add_inputs(m=m, n=n):
             return [_randn(m, n), _randn(m, n), _randn(n, scale=0.1, shift=1.0)]
@@ -134,7 +135,8 @@ def norm_cases(rows_cols, liger):
                  "torch.compile": _compiled(eager_fused_add_rms_norm)}
         if liger and hasattr(liger, "liger_fused_add_rms_norm"):
             impls["liger"] = lambda x, r, w: liger.liger_fused_add_rms_norm(x, r, w, 1e-6)
-        cases.append(Case("fused_add_rms_norm", shape, add_inputs, impls, bytes_full=8 * m * n * elt))
+        cases.append(Case("fused_add_rms_norm", shape, add_inputs, impls, bytes_full=8 * m * n * elt,
+                          size=("hidden", n)))
     return cases
 
 
@@ -150,7 +152,7 @@ def glu_cases(rows_cols, liger):
             if liger:
                 impls["liger"] = getattr(liger, peer)
             # fwd reads a, b, writes c; bwd reads dc, a, b, writes da, db.
-            cases.append(Case(op, f"{m}x{n}", inputs, impls, bytes_full=8 * m * n * 2))
+            cases.append(Case(op, f"{m}x{n}", inputs, impls, bytes_full=8 * m * n * 2, size=("tokens", m)))
     return cases
 
 
@@ -170,7 +172,8 @@ def rope_cases(configs, liger):
         if liger:
             impls["liger"] = liger.liger_rope
         n = batch * tokens * (hq + hk) * dim
-        cases.append(Case("rope", f"B{batch} T{tokens} Hq{hq} Hk{hk} D{dim}", inputs, impls, bytes_full=4 * n * 2))
+        cases.append(Case("rope", f"B{batch} T{tokens} Hq{hq} Hk{hk} D{dim}", inputs, impls, bytes_full=4 * n * 2,
+                          size=("sequence length", tokens)))
     return cases
 
 
@@ -252,7 +255,7 @@ def three_matmuls(x, w, target):
     return ThreeMatmuls.apply(x, w, target)
 
 
-def cross_entropy_cases(shapes, liger):
+def cross_entropy_cases(shapes, liger, grad_output_variant=True):
     cases = []
     for i, (rows, vocab) in enumerate(shapes):
         def inputs(rows=rows, vocab=vocab):
@@ -263,12 +266,14 @@ def cross_entropy_cases(shapes, liger):
         if liger:
             impls["liger"] = liger.liger_cross_entropy
         # Read the logits once and write their gradient once.
-        for shape, go in _grad_output_variants(f"{rows}x{vocab}", i == 0):
-            cases.append(Case("cross_entropy", shape, inputs, impls, bytes_full=2 * rows * vocab * 2, grad_output=go))
+        for shape, go in _grad_output_variants(f"{rows}x{vocab}", i == 0 and grad_output_variant):
+            cases.append(Case("cross_entropy", shape, inputs, impls, bytes_full=2 * rows * vocab * 2, grad_output=go,
+                              size=("vocab", vocab) if go == 1.0 else None))
     return cases
 
 
-def flce_cases(shapes, liger, cce):
+def flce_cases(shapes, liger, cce, sweep_hidden=4096, grad_output_variant=True):
+    """The shapes with hidden == sweep_hidden (and the same rows) form the plotted vocab sweep."""
     cases = []
     for i, (rows, hidden, vocab) in enumerate(shapes):
         def inputs(rows=rows, hidden=hidden, vocab=vocab):
@@ -282,23 +287,27 @@ def flce_cases(shapes, liger, cce):
         if cce:
             impls["cce"] = cce
         impls["3 matmuls (floor)"] = three_matmuls
-        for shape, go in _grad_output_variants(f"BT{rows} H{hidden} V{vocab}", i == 0):
+        for shape, go in _grad_output_variants(f"BT{rows} H{hidden} V{vocab}", i == 0 and grad_output_variant):
+            swept = hidden == sweep_hidden and rows == shapes[0][0] and go == 1.0
             cases.append(Case("fused_linear_cross_entropy", shape, inputs, impls,
-                              flops_full=3 * 2 * rows * hidden * vocab, grad_output=go))
+                              flops_full=3 * 2 * rows * hidden * vocab, grad_output=go,
+                              size=("vocab", vocab) if swept else None))
     return cases
 
 
 def all_cases(quick=False):
     liger = _liger()
-    hidden = [(16384, 4096)] if quick else [(16384, 1024), (16384, 4096), (8192, 8192)]
-    glu = [(16384, 14336)] if quick else [(8192, 11008), (16384, 14336)]
-    rope = [(4, 32, 8, 2048, 128)] if quick else [(4, 32, 8, 2048, 128), (8, 28, 4, 1024, 128)]
+    # Sweeps (one axis each, as the Liger paper plots them): hidden size for the norms, tokens for
+    # the GLUs, sequence length for RoPE, vocabulary for the losses; --quick: one point each.
+    hidden = [(16384, 4096)] if quick else [(16384, n) for n in (1024, 4096, 8192)]
+    glu = [(8192, 14336)] if quick else [(t, 14336) for t in (4096, 8192, 16384)]
+    rope = [(4, 32, 8, 2048, 128)] if quick else [(4, 32, 8, t, 128) for t in (1024, 4096, 8192)]
     mlp = [(8192, 4096, 14336)]
-    ce = [(8192, 128256)] if quick else [(8192, 128256), (4096, 151936)]
+    ce = [(8192, 128256)] if quick else [(8192, v) for v in (32000, 128256, 151936)]
     flce = ([(8192, 4096, 128256)] if quick else
-            [(8192, 4096, 128256), (4096, 2048, 128256), (8192, 896, 151936), (2048, 896, 151936)])
+            [(8192, 4096, v) for v in (32000, 128256, 151936)] + [(4096, 2048, 128256)])
     return (norm_cases(hidden, liger) + glu_cases(glu, liger) + rope_cases(rope, liger) + mlp_cases(mlp, liger)
-            + cross_entropy_cases(ce, liger) + flce_cases(flce, liger, _cce())), liger
+            + cross_entropy_cases(ce, liger, not quick) + flce_cases(flce, liger, _cce(), grad_output_variant=not quick)), liger
 
 
 def max_rel_err(a, b):
@@ -308,20 +317,32 @@ def max_rel_err(a, b):
     return max(errs)
 
 
-def run_case(index, quick, limits):
-    """Measure every implementation of case `index`; returns its rows."""
+def run_cases(indices, quick, limits, rows_out):
+    """Measure every implementation of the cases `indices` in this process, rewriting rows_out
+    (JSON) after each case, so a crash loses only the case it happened in."""
     torch._dynamo.config.cache_size_limit = 64
     cases, _ = all_cases(quick)
-    case = cases[index]
+    rows = []
+    for index in indices:
+        rows += run_case(cases[index], quick, limits)
+        with open(rows_out, "w") as f:
+            json.dump([r.as_dict() for r in rows], f)
+        print(f"case done: {cases[index].op} {cases[index].shape}", flush=True)  # the parent's progress bar
+
+
+def run_case(case, quick, limits):
+    """Measure every implementation of one case; returns its rows."""
     inputs = case.make_inputs()
     with torch.no_grad():  # no grad: nothing is computed in place over the inputs
         err = max_rel_err(case.impls["tigon"](*inputs), case.impls["torch eager"](*inputs))
     rows = []
     for name, fn in case.impls.items():
         row = Row(case.op, case.shape, name, "bf16", bytes_full=case.bytes_full, flops_full=case.flops_full)
-        measure(fn, inputs, row, limits, grad_output=case.grad_output)
+        measure(fn, inputs, row, limits, grad_output=case.grad_output, quick=quick)
         if name == "tigon":
             row.extra["rel_err_vs_eager"] = err
+        if case.size:
+            row.extra["size_name"], row.extra["size"] = case.size
         rows.append(row)
         gc.collect()
         torch.cuda.empty_cache()
@@ -330,29 +351,64 @@ def run_case(index, quick, limits):
     return rows
 
 
-def run(ops=None, quick=False, out_dir="bench_out"):
-    """Every case in a process of its own: a peer whose CUDA-graph capture fails (a host sync
-    inside) leaks the capture's memory pool, which would starve the cases after it."""
+ISOLATED_OPS = ("cross_entropy", "fused_linear_cross_entropy")
+
+
+def _progress_bar(total):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="case", file=sys.stderr)
+
+
+def run(ops=None, quick=False, out_dir="bench_out", verbose=False, shapes=None):
+    """The cases in child processes, one per op (all its sizes): a peer whose CUDA-graph capture
+    fails (a host sync inside) leaks the capture's memory pool, which must not starve the other
+    ops' cases. --quick runs its few cases in one child."""
     import subprocess
     import tempfile
 
     os.makedirs(out_dir, exist_ok=True)
     limits = measure_limits()
     cases, liger = all_cases(quick)
-    selected = [i for i, c in enumerate(cases) if not ops or c.op in ops]
+    selected = [i for i, c in enumerate(cases) if (not ops or c.op in ops)
+                and (not shapes or any(s == c.shape or s in c.shape.split() for s in shapes))]
+    # One child process per op (all its sizes), or one for the whole --quick run: the child's
+    # fixed costs (imports, inductor's start-up) are paid once per group, not per case.
+    groups = {}
+    for index in selected:
+        op = cases[index].op
+        # Liger's and CCE's losses sync with the host, so their graph capture fails and leaks its
+        # memory pool: a loss case (tens of GB at these shapes) gets a process of its own.
+        key = "all" if quick else (op, index) if op in ISOLATED_OPS else op
+        groups.setdefault(key, []).append(index)
+    env = dict(os.environ)
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # small graphs: no compile-worker pool to start
     rows = []
-    start = time.time()
-    for n, index in enumerate(selected):
-        case = cases[index]
-        print(f"[{n + 1}/{len(selected)} {time.time() - start:6.1f}s] {case.op} {case.shape}", file=sys.stderr, flush=True)
-        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-            cmd = [sys.executable, "-m", "tigon.bench.ops", "--case-index", str(index), "--rows-out", tmp.name,
-                   "--limits", json.dumps(limits)] + (["--quick"] if quick else [])
-            done = subprocess.run(cmd)
-            if done.returncode == 0:
+    bar = _progress_bar(len(selected))
+    for indices in groups.values():
+        names = sorted({cases[i].op for i in indices})
+        bar.set_description(", ".join(names) if len(names) < 3 else f"{len(indices)} cases")
+        with tempfile.NamedTemporaryFile(suffix=".json") as tmp, tempfile.TemporaryFile("w+") as err:
+            cmd = [sys.executable, "-m", "tigon.bench.ops", "--case-indices", *map(str, indices),
+                   "--rows-out", tmp.name, "--limits", json.dumps(limits)] + (["--quick"] if quick else [])
+            child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None if verbose else err, text=True, env=env)
+            done_cases = 0
+            for line in child.stdout:
+                if line.startswith("case done: "):
+                    done_cases += 1
+                    bar.update(1)
+                    bar.set_postfix_str(line[len("case done: "):].strip())
+            child.wait()
+            if done_cases:
                 rows += [Row(**r) for r in json.load(open(tmp.name))]
-            else:
-                rows.append(Row(case.op, case.shape, "all", "bf16", error=f"case process exited {done.returncode}"))
+            if done_cases < len(indices):
+                err.seek(0)
+                last = err.read().strip().splitlines()[-1:] or [""]
+                rows += [Row(cases[i].op, cases[i].shape, "all", "bf16",
+                             error=f"case process exited {child.returncode}: {last[0][:200]}")
+                         for i in indices[done_cases:]]
+                bar.update(len(indices) - done_cases)
+    bar.close()
     meta = {
         "limits": limits,
         "torch": torch.__version__,
@@ -360,16 +416,7 @@ def run(ops=None, quick=False, out_dir="bench_out"):
         "liger": getattr(__import__("liger_kernel"), "__version__", "installed") if liger else None,
         "cce": "installed" if _cce() else None,
     }
-    with open(os.path.join(out_dir, "ops.json"), "w") as f:
-        json.dump({"meta": meta, "rows": [r.as_dict() for r in rows]}, f, indent=1)
-    table = markdown_table(rows)
-    header = (f"GPU {limits['gpu']}: copy {limits['copy_gbps']:.0f} GB/s, bf16 matmul "
-              f"{limits['matmul_tflops']:.0f} TFLOP/s; torch {meta['torch']}, triton {meta['triton']}, "
-              f"liger {meta['liger']}, cce {meta['cce']}")
-    with open(os.path.join(out_dir, "ops.md"), "w") as f:
-        f.write(header + "\n\n" + table + "\n")
-    print(header)
-    print(table)
+    write_results(rows, meta, out_dir)
     return rows
 
 
@@ -377,17 +424,21 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ops", nargs="*", help="op names to run (default: all)")
     parser.add_argument("--quick", action="store_true", help="one size per op")
-    parser.add_argument("--out", default="bench_out", help="folder for ops.json and ops.md")
-    parser.add_argument("--case-index", type=int, help=argparse.SUPPRESS)  # internal: one case, in a child
+    parser.add_argument("--out", default="bench_out", help="folder for ops.json, ops.csv, ops.md and the plots")
+    parser.add_argument("--verbose", action="store_true", help="show each case's own progress lines")
+    parser.add_argument("--shapes", nargs="*", help="only cases with these shapes (or a word of one, e.g. V151936)")
+    parser.add_argument("--merge", nargs="*", help="combine the results in these folders into --out (no GPU work)")
+    parser.add_argument("--case-indices", type=int, nargs="*", help=argparse.SUPPRESS)  # internal: a child's cases
     parser.add_argument("--rows-out", help=argparse.SUPPRESS)
     parser.add_argument("--limits", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.case_index is not None:
-        rows = run_case(args.case_index, args.quick, json.loads(args.limits))
-        with open(args.rows_out, "w") as f:
-            json.dump([r.as_dict() for r in rows], f)
+    if args.case_indices is not None:
+        run_cases(args.case_indices, args.quick, json.loads(args.limits), args.rows_out)
         return
-    run(args.ops, args.quick, args.out)
+    if args.merge:
+        merge_results(args.merge, args.out)
+        return
+    run(args.ops, args.quick, args.out, args.verbose, args.shapes)
 
 
 if __name__ == "__main__":

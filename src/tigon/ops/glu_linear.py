@@ -5,7 +5,7 @@ Autograd would keep c = act(a) * b alive for the down projection's weight gradie
 function keeps only a and b and recomputes c (one cheap elementwise pass) in the backward,
 saving one [tokens, I] activation per MLP layer.
 
-The backward walks the I columns in a few slices: dc_j = dout @ W[:, j], c_j, dW[:, j] =
+The backward walks the I columns in slices: dc_j = dout @ W[:, j], c_j, dW[:, j] =
 dout^T c_j, then da_j / db_j. Its transient memory is two [tokens, I / n_slices] buffers, not
 two [tokens, I]. With reuse_inputs=True, da and db are written over a and b (dead after their
 slice is read), so the backward allocates nothing of [tokens, I]; a and b must then be
@@ -20,9 +20,11 @@ import torch.nn.functional as F
 from tigon.ops._common import as_rows, check_same_device, check_tensor, new_output
 from tigon.ops.glu import check_glu_args, glu_backward, glu_forward
 
-# Columns per backward slice: slices stay large matmuls (N >= 1024 at I >= 4096) while the
-# transient (dc_j and c_j) is a quarter of an intermediate.
-BACKWARD_SLICES = 4
+# Columns per backward slice: slices stay large matmuls (N >= 1024) while the transient (dc_j
+# and c_j) is half an intermediate. H100 (benchmarks/mlp_slices.py, fwd+bwd of a SwiGLU MLP):
+# 1 / 2 / 4 slices took 12.52 / 12.38 / 12.82 ms at T8192 H4096 I14336 and 30.86 / 31.19 / 31.24
+# ms at T65536 H2048 I8192; 2 and 4 had the same peak memory, 1 had 48-288 MB more.
+BACKWARD_SLICES = 2
 MIN_SLICE_COLUMNS = 1024
 
 

@@ -1,0 +1,99 @@
+"""The ``tigon`` command: ``tigon env``, ``tigon demo``, ``tigon bench``.
+
+Without a CUDA GPU, tigon's Triton kernels can only run in Triton's interpreter, which Triton
+reads from TRITON_INTERPRET when it is first imported; the console script (``tigon_cli``) sets
+it before tigon, and so triton, is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+
+
+def _cuda_available() -> bool:
+    import torch  # does not import triton
+
+    return torch.cuda.is_available()
+
+
+def _version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def env_report() -> str:
+    cuda = _cuda_available()
+    import torch
+    import triton
+
+    from tigon.ops._common import interpreter_enabled
+
+    lines = [f"python        {platform.python_version()} ({sys.executable})"]
+    for name in ("tigon", "torch", "triton", "transformers", "trl", "peft", "liger-kernel", "cut-cross-entropy",
+                 "matplotlib"):
+        lines.append(f"{name:13s} {_version(name) or 'not installed'}")
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        lines.append(f"GPU           {props.name}, {props.total_memory / 2**30:.0f} GiB, compute capability "
+                     f"{props.major}.{props.minor}, {torch.cuda.device_count()} device(s), CUDA {torch.version.cuda}")
+    else:
+        lines.append("GPU           none visible to torch")
+    if interpreter_enabled():
+        lines.append("kernels       interpreted by Triton on the CPU (TRITON_INTERPRET=1): correct, slow; "
+                     "for tests and the CPU demo")
+    elif cuda:
+        lines.append(f"kernels       compiled by Triton {triton.__version__} for the GPU")
+    else:
+        lines.append("kernels       cannot run: no GPU and Triton's interpreter is off (set TRITON_INTERPRET=1 "
+                     "before importing tigon)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="tigon", description="Fused Triton kernels for LLM training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("env", help="versions, GPU, and whether kernels run compiled or interpreted")
+    demo = sub.add_parser("demo", help="fine-tune a small Llama-style model with plain HF and with tigon, and compare")
+    demo.add_argument("--steps", type=int, help="optimizer steps per run (default: 300 on a GPU, 12 on the CPU)")
+    demo.add_argument("--quick", action="store_true", help="a few steps only (a smoke test)")
+    demo.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when available")
+    demo.add_argument("--out", default="tigon_demo", help="folder for demo.json and loss_curves.png")
+    demo.add_argument("--no-progress", action="store_true")
+    bench = sub.add_parser("bench", help="time and memory of every op vs torch eager / compile / Liger / CCE (GPU)")
+    bench.add_argument("ops", nargs="*", help="op names (default: all); e.g. rms_norm cross_entropy")
+    bench.add_argument("--quick", action="store_true", help="one size per op")
+    bench.add_argument("--out", default="tigon_bench", help="folder for ops.json, ops.csv, ops.md and the plots")
+    bench.add_argument("--verbose", action="store_true", help="print every implementation's result as it comes")
+    args = parser.parse_args(argv)
+
+    if args.command == "env":
+        print(env_report())
+        return 0
+    cuda = _cuda_available()
+    if args.command == "demo":
+        if args.device == "cuda" and not cuda:
+            parser.error("--device cuda: torch sees no CUDA GPU")
+        from tigon.demo import run_demo
+
+        run_demo(args.out, steps=args.steps, quick=args.quick, device=args.device, progress=not args.no_progress)
+        return 0
+    if args.command == "bench":
+        if not cuda:
+            print("tigon bench measures GPU kernels: torch sees no CUDA GPU here (`tigon demo` runs on the CPU).",
+                  file=sys.stderr)
+            return 2
+        from tigon.bench.ops import run
+
+        run(args.ops or None, args.quick, args.out, args.verbose)
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
