@@ -3,7 +3,7 @@
 # `tigon bench --quick`, `tigon demo`, the op sweeps (in two parts: one device call is 10
 # minutes at most), the chunked losses and the end-to-end batch sweep.
 # Usage (device machine, repo root; carry .whl with liger-kernel and cut-cross-entropy):
-#   OUT=/some/dir bash scripts/gpu_proof.sh quick|ops-a|ops-b|flce|train   (several: one after the other)
+#   OUT=/some/dir bash scripts/gpu_proof.sh quick|ops-a|ops-b|flce|train|shapes   (several: one after the other)
 # Merge the op parts afterwards: python -m tigon.bench.ops --merge A B --out DIR
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,6 +45,14 @@ case "$part" in
     timeout 170 python3 benchmarks/bench_losses.py --out "$OUT" 2>&1 | tee "$OUT/bench_losses.log" || status=1
     timeout 330 python3 benchmarks/train_hf.py --shape llama-1b --batches 8 16 32 64 --impls hf,tigon,liger \
       --steps 6 --warmup 2 --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/train_sweep.log" || status=1
+    ;;
+  shapes)  # more end-to-end shapes (Qwen, Gemma, an 8B)
+    timeout 140 python3 benchmarks/train_hf.py --shape qwen2.5-0.5b --batches 8 16 32 --impls hf,tigon,liger \
+      --steps 6 --warmup 2 --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/train_qwen.log" || status=1
+    timeout 180 python3 benchmarks/train_hf.py --shape gemma2-2b --batches 4 8 16 --impls hf,tigon,liger \
+      --steps 6 --warmup 2 --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/train_gemma.log" || status=1
+    timeout 240 python3 benchmarks/train_hf.py --shape llama-8b --batches 1 2 --impls hf,tigon \
+      --steps 4 --warmup 2 --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/train_8b.log" || status=1
     ;;
 esac
 done
