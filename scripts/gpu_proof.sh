@@ -7,14 +7,7 @@
 # Merge the op parts afterwards: python -m tigon.bench.ops --merge A B --out DIR
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}
+source scripts/device_env.sh
 tigon() { python3 -m tigon_cli "$@"; }
 status=0
 for part in "${@:-quick}"; do

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from tigon.ops._common import check_same_device, check_tensor, new_output, next_pow2
-from tigon.ops.linear_token_logps import linear_head_backward, linear_head_logits
+from tigon.ops.linear_token_logps import keep_logit_grad, linear_head_logits, linear_head_rows_backward
 
 FORWARD_KL, REVERSE_KL, MIXED = 0, 1, 2
 
@@ -183,16 +183,8 @@ class LinearJSDFunction(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias = inputs[:3]
-        _, grad_logits = output
-        ctx.mark_non_differentiable(grad_logits)
-        ctx.compute_grad = inputs[8] if len(inputs) > 8 else True
-        ctx.save_for_backward(x, weight, bias, grad_logits)
+        keep_logit_grad(ctx, inputs, output, inputs[8] if len(inputs) > 8 else True)
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_buffer):
-        if not ctx.compute_grad:
-            raise RuntimeError("linear JSD ran without a gradient (compute_grad=False) but one was asked for")
-        x, weight, bias, g_logits = ctx.saved_tensors
-        dx, dw, db = linear_head_backward(g_logits, x, weight, bias, grad_loss, ctx.needs_input_grad[:3])
-        return dx, dw, db, None, None, None, None, None, None
+        return linear_head_rows_backward(ctx, grad_loss, "linear_jsd")

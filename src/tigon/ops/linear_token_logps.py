@@ -50,6 +50,25 @@ def linear_head_backward(g_logits, x, weight, bias, row_grad, needs):
     return dx, dw, db
 
 
+def keep_logit_grad(ctx, inputs, output, compute_grad):
+    """setup_context of a linear-head row op: inputs start with (x, weight, bias), output is
+    (rows, G); G is kept for ``linear_head_rows_backward``."""
+    _, grad_logits = output
+    ctx.mark_non_differentiable(grad_logits)
+    ctx.compute_grad = compute_grad
+    ctx.n_inputs = len(inputs)
+    ctx.save_for_backward(*inputs[:3], grad_logits)
+
+
+def linear_head_rows_backward(ctx, row_grad, name):
+    """backward of a linear-head row op given the per-row factor (row_grad) on its G."""
+    if not ctx.compute_grad:
+        raise RuntimeError(f"{name} ran without a gradient (compute_grad=False) but one was asked for")
+    x, weight, bias, g_logits = ctx.saved_tensors
+    grads = linear_head_backward(g_logits, x, weight, bias, row_grad, ctx.needs_input_grad[:3])
+    return grads + (None,) * (ctx.n_inputs - 3)
+
+
 class LinearTokenLogpsFunction(torch.autograd.Function):
     """(logp [N] fp32, G [N, V]): G is the saved gradient buffer, returned only so that
     setup_context can keep it; it is not differentiable. compute_grad=False (no gradient will
@@ -69,17 +88,9 @@ class LinearTokenLogpsFunction(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias = inputs[:3]
-        _, grad_logits = output
-        ctx.mark_non_differentiable(grad_logits)
-        ctx.compute_grad = inputs[5] if len(inputs) > 5 else True
-        ctx.save_for_backward(x, weight, bias, grad_logits)
+        keep_logit_grad(ctx, inputs, output, inputs[5] if len(inputs) > 5 else True)
 
     @staticmethod
     def backward(ctx, grad_logp, _grad_buffer):
-        if not ctx.compute_grad:
-            raise RuntimeError("linear_token_logps ran without a gradient (compute_grad=False) but one was asked for")
-        x, weight, bias, g_logits = ctx.saved_tensors
         # G holds d(-logp) / d logits: the row factor is -grad_logp.
-        dx, dw, db = linear_head_backward(g_logits, x, weight, bias, grad_logp.neg(), ctx.needs_input_grad[:3])
-        return dx, dw, db, None, None, None
+        return linear_head_rows_backward(ctx, grad_logp.neg(), "linear_token_logps")
