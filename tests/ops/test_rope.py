@@ -99,6 +99,28 @@ def test_rope_position_ids_gather_from_table(pos_batch):
              lambda q, k: ref_rope(q, k, cos, sin), [q, k], dtype=torch.float32)
 
 
+@pytest.mark.parametrize("non_contiguous", [False, True])
+def test_rope_gradients_take_the_inputs_layout(non_contiguous):
+    """The backward writes dq / dk in q's / k's layouts (HF's q is a transposed view of the
+    projection: its gradient must be one too, so the view's backward copies nothing), whatever
+    the layout of the incoming gradients, with the values of the reference."""
+    from tigon.ops import RoPEFunction
+
+    shape = (2, 4, 2, 5, 16)
+    q, k = make_qk(shape, torch.float32, "bhtd", non_contiguous)
+    cos, sin = hf_cos_sin(shape[0], shape[3], shape[4], torch.float32)
+    out_q, out_k = RoPEFunction.apply(q, k, cos, sin)
+    # Incoming gradients in the other layout than q's.
+    gq = randn(out_q.shape, torch.float32) if non_contiguous else randn((2, 5, 4, 16), torch.float32).transpose(1, 2)
+    gk = randn(out_k.shape, torch.float32) if non_contiguous else randn((2, 5, 2, 16), torch.float32).transpose(1, 2)
+    dq, dk = torch.autograd.grad((out_q, out_k), (q, k), (gq, gk))
+    assert dq.stride() == q.stride() and dk.stride() == k.stride()
+    rq, rk = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+    ref_q, ref_k = torch.autograd.grad(ref_rope(rq, rk, cos, sin), (rq, rk), (gq, gk))
+    torch.testing.assert_close(dq, ref_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dk, ref_k, rtol=1e-5, atol=1e-5)
+
+
 def test_rope_bad_inputs():
     q, k = make_qk((2, 4, 2, 5, 16), torch.float32, "bhtd", False)
     cos, sin = hf_cos_sin(1, 5, 16, torch.float32)
