@@ -1,0 +1,68 @@
+"""Where a training step's time goes, HF vs HF + tigon: torch.profiler over two steps of
+benchmarks/train_hf.py's setup; prints wall time, GPU busy time, kernel launches per step and the
+top kernels. CUDA only: ``PYTHONPATH=src:benchmarks python benchmarks/profile_step.py --shape qwen2.5-0.5b``."""
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from train_hf import SHAPES  # benchmarks/ must be on sys.path
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="qwen2.5-0.5b", choices=list(SHAPES))
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--top", type=int, default=12)
+    args = p.parse_args()
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import tigon
+
+    model_type, kw = SHAPES[args.shape]
+    for impl in ("hf", "tigon"):
+        torch.manual_seed(0)
+        config = AutoConfig.for_model(model_type, **kw)
+        config._attn_implementation = "sdpa"
+        with torch.device("cuda"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        if impl == "tigon":
+            tigon.patch(model)
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device="cuda")
+
+        def step():
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            for _ in range(2):
+                step()
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - start) / 2
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(getattr(e, "device_time_total", 0) for e in kernels) / 2 / 1e3
+        print(f"{impl}: wall {wall * 1e3:.1f} ms/step, GPU kernels {busy:.1f} ms/step, "
+              f"{len(kernels) // 2} kernels/step", flush=True)
+        try:
+            table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.top)
+        except Exception:
+            table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.top)
+        print("\n".join(table.splitlines()[: args.top + 4]), flush=True)
+        del model, opt
+        torch.cuda.empty_cache()
+        tigon.unpatch()
+
+
+if __name__ == "__main__":
+    main()
