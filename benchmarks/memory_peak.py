@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from train_hf import SHAPES  # benchmarks/ must be on sys.path
+from train_hf import SHAPES, build_model  # benchmarks/ must be on sys.path
 
 GiB = 2**30
 
@@ -59,23 +59,11 @@ def main():
     p.add_argument("--detail", nargs="*", default=["layer0.mlp bwd start", "layer0.mlp bwd end"],
                    help="hook events at which to list the live blocks by size")
     args = p.parse_args()
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    import tigon
-
     model_type, kw = SHAPES[args.shape]
     torch.manual_seed(0)
-    config = AutoConfig.for_model(model_type, **kw)
-    config._attn_implementation = "sdpa"
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    if args.impl == "tigon":
-        tigon.patch(model)
-    model.gradient_checkpointing_enable()
-    model.config.use_cache = False
-    model.train()
+    model, _ = build_model(model_type, kw, args.impl)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device="cuda")
     for _ in range(2):  # optimizer state exists from here on
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()

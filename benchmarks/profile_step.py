@@ -7,7 +7,7 @@ import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from train_hf import SHAPES  # benchmarks/ must be on sys.path
+from train_hf import SHAPES, build_model  # benchmarks/ must be on sys.path
 
 
 def main():
@@ -17,24 +17,14 @@ def main():
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args()
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     import tigon
 
     model_type, kw = SHAPES[args.shape]
     for impl in ("hf", "tigon"):
         torch.manual_seed(0)
-        config = AutoConfig.for_model(model_type, **kw)
-        config._attn_implementation = "sdpa"
-        with torch.device("cuda"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        if impl == "tigon":
-            tigon.patch(model)
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
-        model.train()
+        model, _ = build_model(model_type, kw, impl)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device="cuda")
+        ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device="cuda")
 
         def step():
             model(input_ids=ids, labels=ids).loss.backward()

@@ -38,7 +38,9 @@ SHAPES = {
 }
 
 
-def run(impl, model_type, shape_kwargs, state, args, batch):
+def build_model(model_type, shape_kwargs, impl="hf", state=None, chunk_budget=None):
+    """The bf16 model on the GPU (weights from `state` when given), patched by `impl` ("hf":
+    not at all, "tigon", "liger"), with gradient checkpointing, in train mode: (model, report)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import tigon
@@ -47,10 +49,11 @@ def run(impl, model_type, shape_kwargs, state, args, batch):
     config._attn_implementation = "sdpa"
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.load_state_dict(state)
+    if state is not None:
+        model.load_state_dict(state)
     report = None
     if impl == "tigon":
-        report = str(tigon.patch(model, chunk_budget=args.chunk_mib * 2**20 if args.chunk_mib else None))
+        report = str(tigon.patch(model, chunk_budget=chunk_budget))
     elif impl == "liger":
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
@@ -59,6 +62,15 @@ def run(impl, model_type, shape_kwargs, state, args, batch):
     model.gradient_checkpointing_enable()
     model.config.use_cache = False
     model.train()
+    return model, report
+
+
+def run(impl, model_type, shape_kwargs, state, args, batch):
+    import tigon
+
+    model, report = build_model(model_type, shape_kwargs, impl, state,
+                                args.chunk_mib * 2**20 if args.chunk_mib else None)
+    config = model.config
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=args.adamw == "fused",
                             foreach=args.adamw == "foreach")
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import DEVICE
 from tigon.cli import env_report, main
 
@@ -16,7 +18,7 @@ def test_bench_without_a_gpu_says_so(capsys):
     import torch
 
     if torch.cuda.is_available():
-        return
+        pytest.skip("a GPU is visible: bench would run")
     assert main(["bench", "--quick"]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err
 

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from tigon import functional as TF
-from tigon.bench.harness import Row, generator, markdown_table, measure, measure_limits
+from tigon.bench.harness import Row, generator, measure, measure_limits
 from tigon.bench.report import merge_results, write_results
 
 

@@ -35,13 +35,6 @@ def backward_slice_columns(n_cols: int, min_columns: int = MIN_SLICE_COLUMNS) ->
     return min(n_cols, max(width, min_columns))
 
 
-def _increment_version(*tensors):
-    """Tell autograd that a and b were overwritten: a later reader of them raises, not misreads."""
-    bump = getattr(torch.autograd.graph, "increment_version", None)
-    for t in tensors:
-        bump(t) if bump is not None else torch._C._increment_version(t)
-
-
 class GLUDownProjFunction(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
@@ -113,7 +106,9 @@ class GLUDownProjFunction(torch.autograd.Function):
         if need_ab:
             if in_place:
                 ctx.consumed = True
-                _increment_version(a2, b2)
+                # a and b were overwritten: a later reader of them raises instead of misreading.
+                for t in (a2, b2):
+                    torch.autograd.graph.increment_version(t)
             shape = dout.shape[:-1] + (n_cols,)
             da, db = da.view(shape), db.view(shape)
         return da, db, d_weight, d_bias, None, None, None
