@@ -2,6 +2,11 @@
 consecutive module hooks (forward and backward of every decoder layer, the embedding, the
 final norm) during one step of benchmarks/train_hf.py's setup, with what was allocated there.
 Run on a CUDA machine: ``PYTHONPATH=src:benchmarks python benchmarks/memory_peak.py --shape llama-1b [--impl tigon|hf]``.
+
+``--trace`` instead records the allocator's history over the step (no module hooks, which
+hold tensors of their own) and lists what was live at the step's peak: the blocks allocated
+during the step, grouped by size and by the first tigon / transformers / benchmark frame that
+allocated them, and the allocation that reached the peak.
 """
 
 from __future__ import annotations
@@ -49,6 +54,99 @@ def live_blocks():
     return sizes
 
 
+def _origin(frames):
+    """The first frame of ours or HF's (innermost first) as 'file:line function'."""
+    for f in frames or ():
+        name = f.get("filename", "")
+        if any(k in name for k in ("/tigon/", "/transformers/", "benchmarks/")):
+            return f"{name.split('/')[-1]}:{f.get('line')} {f.get('name')}"
+    return "autograd / torch internals"
+
+
+def peak_from_trace(snapshot, baseline):
+    """Replay the allocator trace: (peak bytes, live step allocations at the peak as
+    {addr: (size, frames)}, the allocation that set the peak)."""
+    live, current, peak, at_peak, peak_event = {}, baseline, baseline, {}, None
+    for event in snapshot["device_traces"][torch.cuda.current_device()]:
+        action, addr, size = event["action"], event["addr"], event["size"]
+        if action == "alloc":
+            live[addr] = (size, event.get("frames"))
+            current += size
+            if current > peak:
+                peak, at_peak, peak_event = current, dict(live), event
+        elif action == "free_completed":
+            live.pop(addr, None)
+            current -= size
+    return peak, at_peak, peak_event
+
+
+def trace_step(model, opt, ids, top, stacks=False):
+    """One step under the allocator's history. Python stacks (``stacks``) failed inside
+    checkpoint recomputation on torch 2.11 (a SystemError from Function.apply), so by default
+    only sizes are recorded and the live blocks at the peak are listed in allocation order."""
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, context="alloc" if stacks else None,
+                                             stacks="python")
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    peak, live, event = peak_from_trace(snapshot, baseline)
+    measured = torch.cuda.max_memory_allocated()
+    print(f"held before the step {baseline / GiB:.3f} GiB; step peak {peak / GiB:.3f} GiB from the trace, "
+          f"{measured / GiB:.3f} GiB measured")
+    print(f"the peak was reached by a {event['size'] / 2**20:.1f} MiB allocation at {_origin(event.get('frames'))}")
+    groups = {}
+    for size, frames in live.values():
+        key = (round(size / 2**20, 1), _origin(frames))
+        groups[key] = groups.get(key, 0) + 1
+    total = sum(size for size, _ in live.values())
+    print(f"live step allocations at the peak: {total / GiB:.3f} GiB in {len(live)} blocks; the largest groups:")
+    rows = sorted(groups.items(), key=lambda kv: -kv[0][0] * kv[1])
+    for (mib, origin), n in rows[:top]:
+        print(f"  {n:4d} x {mib:8.1f} MiB = {n * mib:8.1f} MiB  {origin}")
+    order = [round(size / 2**20) for size, _ in live.values() if size >= 2**20]
+    print(f"live step blocks >= 1 MiB at the peak, in allocation order (MiB): {order}")
+
+
+class OpProbe:
+    """Memory at entry, peak inside and at exit of every forward / backward of an autograd
+    Function (monkeypatched for the profiled step)."""
+
+    def __init__(self, fn_cls):
+        self.rows = []
+        self.fn_cls = fn_cls
+        self.saved = (fn_cls.forward, fn_cls.backward)
+        for phase, original in (("forward", fn_cls.forward), ("backward", fn_cls.backward)):
+            setattr(fn_cls, phase, staticmethod(self._wrap(phase, original)))
+
+    def _wrap(self, phase, original):
+        def run(ctx, *args):
+            torch.cuda.synchronize()
+            entry = torch.cuda.memory_allocated()
+            outer_peak = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            out = original(ctx, *args)
+            torch.cuda.synchronize()
+            self.rows.append((phase, entry, torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()))
+            return out
+        return run
+
+    def restore(self):
+        self.fn_cls.forward, self.fn_cls.backward = (staticmethod(f) for f in self.saved)
+
+    def report(self, name, top):
+        print(f"{name}: calls with the highest peaks (GiB: at entry, peak inside, at exit), in call order")
+        ranked = sorted(range(len(self.rows)), key=lambda i: -self.rows[i][2])[:top]
+        for i in sorted(ranked):
+            phase, entry, peak, exit_ = self.rows[i]
+            print(f"  call {i:3d} {phase:8s} {entry / GiB:7.3f} {peak / GiB:7.3f} {exit_ / GiB:7.3f}")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="llama-1b", choices=list(SHAPES))
@@ -58,7 +156,14 @@ def main():
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--detail", nargs="*", default=["layer0.mlp bwd start", "layer0.mlp bwd end"],
                    help="hook events at which to list the live blocks by size")
+    p.add_argument("--trace", action="store_true", help="list what is live at the step's peak (allocator trace)")
+    p.add_argument("--mlp-slice-mib", type=int, default=None,
+                   help="override the checkpointed MLP's slice budget (tigon.ops.glu_mlp.SLICE_BUDGET_BYTES)")
     args = p.parse_args()
+    if args.mlp_slice_mib:
+        from tigon.ops import glu_mlp
+
+        glu_mlp.SLICE_BUDGET_BYTES = args.mlp_slice_mib * 2**20
     model_type, kw = SHAPES[args.shape]
     torch.manual_seed(0)
     model, _ = build_model(model_type, kw, args.impl)
@@ -68,6 +173,23 @@ def main():
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+    if args.trace:
+        print(f"{args.impl} {args.shape} batch {args.batch}x{args.seq}, mlp slice budget "
+              f"{args.mlp_slice_mib or 'default'} MiB")
+        trace_step(model, opt, ids, args.top)
+        if args.impl == "tigon":
+            from tigon.ops import GLUDownProjFunction, GLUMLPFunction
+
+            probes = {"GLUDownProjFunction": OpProbe(GLUDownProjFunction), "GLUMLPFunction": OpProbe(GLUMLPFunction)}
+            torch.cuda.reset_peak_memory_stats()
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            for name, probe in probes.items():
+                probe.restore()
+                if probe.rows:
+                    probe.report(f"{name} (the MLP)", 8)
+        return
     probe = Probe(args.detail)
     inner = model.get_decoder()
     probe.attach(inner.embed_tokens, "embed")

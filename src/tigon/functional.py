@@ -6,10 +6,12 @@ import torch
 
 from tigon.ops import (
     CrossEntropyFunction,
+    EmbeddingFunction,
     FusedAddRMSNormFunction,
     FusedLinearCrossEntropyFunction,
     GLUDownProjFunction,
     GLUFunction,
+    GLUMLPFunction,
     LayerNormFunction,
     LinearJSDFunction,
     LinearTokenLogpsFunction,
@@ -71,6 +73,15 @@ def glu_down_proj(a, b, down_weight, down_bias=None, activation="silu", reuse_in
     return GLUDownProjFunction.apply(a, b, down_weight, down_bias, activation, reuse_inputs)
 
 
+def glu_mlp(x, gate_weight, up_weight, down_weight, activation="silu") -> torch.Tensor:
+    """(act(x @ gate_weight.T) * (x @ up_weight.T)) @ down_weight.T, keeping only x for the
+    backward (gate and up are recomputed there in column slices). x [..., H], gate / up weights
+    [I, H], down weight [H, I]. Meant for layers under torch.utils.checkpoint (non-reentrant),
+    where its recomputation is skipped when nothing after it needs it; outside checkpointing it
+    trades two matmuls for two [tokens, I] activations."""
+    return GLUMLPFunction.apply(x, gate_weight, up_weight, down_weight, activation)
+
+
 def cross_entropy(logits, target, ignore_index=-100, reduction="mean", label_smoothing=0.0, weight=None,
                   lse_square_scale=0.0, softcap=None, return_z_loss=False, return_token_accuracy=False,
                   inplace=True):
@@ -94,7 +105,7 @@ def cross_entropy(logits, target, ignore_index=-100, reduction="mean", label_smo
 def fused_linear_cross_entropy(x, weight, target, bias=None, ignore_index=-100, reduction="mean",
                                label_smoothing=0.0, ce_weight=None, lse_square_scale=0.0, softcap=None,
                                return_z_loss=False, return_token_accuracy=False, chunk_budget=None,
-                               accum_dtype=None):
+                               accum_dtype=None, tied_slot=None):
     """cross_entropy(x @ weight.T + bias, target) without materialising the [rows, V] logits.
 
     x [..., H] (bf16 or fp32), weight [V, H] (x's dtype or fp32; tied embeddings and frozen
@@ -102,12 +113,22 @@ def fused_linear_cross_entropy(x, weight, target, bias=None, ignore_index=-100, 
     ``cross_entropy`` (``ce_weight`` is its class weight). ``chunk_budget``: bytes of logits a
     chunk may hold (default 512 MiB); ``accum_dtype=torch.float32`` accumulates dW in fp32
     (V * H * 4 bytes more). Gradients are computed in the forward pass (reduction "mean" /
-    "sum"); the backward scales them by grad_output.
+    "sum"); the backward scales them by grad_output. ``tied_slot``: a TiedGradSlot shared with
+    ``embedding`` of the same forward when ``weight`` is also the input embedding (see
+    tigon.ops.embedding): the two backward passes then fill one [V, H] gradient.
     """
     loss, z_loss, accuracy = FusedLinearCrossEntropyFunction.apply(
         x, weight, target, bias, ignore_index, reduction, label_smoothing, ce_weight, lse_square_scale, softcap,
-        return_z_loss, return_token_accuracy, chunk_budget, accum_dtype, torch.is_grad_enabled())
+        return_z_loss, return_token_accuracy, chunk_budget, accum_dtype, torch.is_grad_enabled(), tied_slot)
     return _loss_outputs(loss, z_loss, accuracy, target, reduction, return_z_loss, return_token_accuracy)
+
+
+def embedding(ids, weight, padding_idx=None, tied_slot=None) -> torch.Tensor:
+    """weight[ids]: ids [...] integer, weight [V, H] -> [..., H] in weight's dtype. The backward
+    sums each token's rows in fp32 in a fixed order (deterministic) and adds them into the
+    weight's gradient; ``padding_idx`` rows get no gradient (as nn.Embedding). ``tied_slot``:
+    see fused_linear_cross_entropy."""
+    return EmbeddingFunction.apply(ids, weight, padding_idx, tied_slot)
 
 
 def linear_token_logps(x, weight, target, bias=None, ignore_index=-100) -> torch.Tensor:

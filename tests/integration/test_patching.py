@@ -362,3 +362,45 @@ def test_torch_compile_of_a_patched_model_trains_like_hf():
     ours = train(compiled, ids, labels, steps=1)
     ours = (ours[0], {k.removeprefix("_orig_mod."): v for k, v in ours[1].items()}, ours[2])
     assert_same_training(ref, ours)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_tied_embeddings_share_one_gradient_buffer(model_type, monkeypatch):
+    """Tied input / output embeddings: the FLCE head hands its gradient to tigon's embedding op,
+    which adds its rows into it; training matches HF's."""
+    from tigon.ops.embedding import TiedGradSlot
+
+    offers = []
+    offer = TiedGradSlot.offer
+    monkeypatch.setattr(TiedGradSlot, "offer", lambda self, g: offers.append(offer(self, g)) or offers[-1])
+    model = tiny_model(model_type, tie_word_embeddings=True)
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    patched = copy.deepcopy(model)
+    ids, labels = batch(model.config.vocab_size)
+    ref = train(model, ids, labels)
+    tigon.patch(patched)
+    ours = train(patched, ids, labels)
+    assert offers == [True] * STEPS
+    assert "forward" not in vars(patched.get_input_embeddings())  # restored after each call
+    assert_same_training(ref, ours)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2"])
+def test_gradient_checkpointing_uses_the_recomputing_mlp(model_type):
+    """With HF gradient checkpointing, the patched MLP keeps only its input (GLUMLPFunction) and
+    skips its matmuls in checkpoint's recomputation, except in families whose layers save the
+    MLP's output (Gemma 2's post-MLP norm); training matches HF's either way."""
+    from tigon.ops import GLUMLPFunction
+
+    model = tiny_model(model_type, tie_word_embeddings=True)
+    patched = copy.deepcopy(model)
+    for m in (model, patched):
+        m.gradient_checkpointing_enable()
+    ids, labels = batch(model.config.vocab_size)
+    ref = train(model, ids, labels)
+    tigon.patch(patched)
+    skipped = GLUMLPFunction.skipped_recomputes
+    ours = train(patched, ids, labels)
+    recomputing = not tigon.patching.BY_MODEL_TYPE[model_type].mlp_output_saved
+    assert GLUMLPFunction.skipped_recomputes - skipped == STEPS * model.config.num_hidden_layers * recomputing
+    assert_same_training(ref, ours)

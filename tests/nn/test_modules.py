@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tests.helpers import DEVICE, DTYPES, check_module, check_op, pick, randn
+from tests.helpers import DEVICE, DTYPES, check_module, check_op, pick, randn, rel_err
 from tests.ops.test_fused_add_rms_norm import ref_fused_add_rms_norm
 from tigon import functional as F
 from tigon.nn import (
@@ -66,6 +66,29 @@ def test_swiglu_mlp_matches_hf_llama(dtype, mlp_bias):
     x = randn((*TOKENS, HIDDEN), dtype, requires_grad=True)
     check_module(TigonSwiGLUMLP(config), theirs, [x], dtype=dtype, tol=MLP_TOL[dtype],
                  what="TigonSwiGLUMLP vs LlamaMLP")
+
+
+def test_swiglu_mlp_under_checkpoint_keeps_only_its_input():
+    """Inside torch.utils.checkpoint the module takes GLUMLPFunction and still matches HF's MLP."""
+    import torch.utils.checkpoint as ckpt
+
+    from tigon.ops import GLUMLPFunction
+
+    config = llama_config()
+    theirs = modeling_llama.LlamaMLP(config).to(DEVICE)
+    ours = TigonSwiGLUMLP(config).to(DEVICE)
+    ours.load_state_dict(theirs.state_dict())
+    x = randn((*TOKENS, HIDDEN), torch.float32, requires_grad=True)
+    skipped = GLUMLPFunction.skipped_recomputes
+    out = ckpt.checkpoint(lambda t: t + ours(t), x, use_reentrant=False)
+    out.sum().backward()
+    assert GLUMLPFunction.skipped_recomputes == skipped + 1
+    x_ref = x.detach().clone().requires_grad_(True)
+    (x_ref + theirs(x_ref)).sum().backward()
+    # Relative Frobenius errors: fp32 matmuls may run in tf32 on the GPU.
+    assert rel_err(x.grad, x_ref.grad) <= 1e-3
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        assert rel_err(p.grad, q.grad) <= 1e-3, name
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -3,7 +3,7 @@ import torch
 
 from tests.helpers import DTYPES, check_op, pick, randn, up
 from tigon import functional as F
-from tigon.ops import GLUDownProjFunction
+from tigon.ops import GLUDownProjFunction, glu_linear
 
 SHAPES = pick(cpu=[(2, 3, 37), (5, 1100), (1, 7)], gpu=[(4, 1024, 14336), (8191, 11008), (3, 4099)])
 
@@ -43,7 +43,11 @@ def test_glu_on_halves_of_a_fused_projection():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_glu_down_proj_matches_reference(dtype, activation, bias):
+@pytest.mark.parametrize("row_slices", [False, True])
+def test_glu_down_proj_matches_reference(dtype, activation, bias, row_slices, monkeypatch):
+    """Whole, and with the forward in row slices (4 on the CPU: 3, 3, 3, 1 rows)."""
+    if row_slices:
+        monkeypatch.setattr(glu_linear, "MIN_SLICE_ROWS", 1)
     tokens, hidden, inter = pick((2, 5, 24), (2, 1024, 4096))[:2], pick(24, 2048), pick(40, 5632)
     a = randn((*tokens, inter), dtype, scale=2.0, requires_grad=True)
     b = randn((*tokens, inter), dtype, requires_grad=True)
@@ -56,7 +60,7 @@ def test_glu_down_proj_matches_reference(dtype, activation, bias):
     # The down projection is a matmul: in fp32 it may run in tf32 on the GPU.
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-3
     check_op(lambda a, b, w, bvec: F.glu_down_proj(a, b, w, bvec, activation), ref, [a, b, w, bvec],
-             dtype=dtype, tol=tol, what=f"glu_down_proj[{activation}]")
+             dtype=dtype, tol=tol, what=f"glu_down_proj[{activation}, row slices {row_slices}]")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

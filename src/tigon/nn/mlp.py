@@ -1,11 +1,16 @@
 """Gated MLPs shaped like HF's (gate_proj, up_proj, down_proj): the activation is one fused
-kernel and is recomputed in the backward instead of stored."""
+kernel and is recomputed in the backward instead of stored. Inside torch.utils.checkpoint
+(non-reentrant) without biases they keep only their input (GLUMLPFunction), as the patched HF
+MLPs do."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from tigon.ops import GLUDownProjFunction
+import torch
+
+from tigon.ops import GLUDownProjFunction, GLUMLPFunction
+from tigon.ops._common import under_checkpoint
 
 _SILU_NAMES = {"silu", "swish"}
 _GELU_NAMES = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
@@ -41,6 +46,9 @@ class _TigonGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x):
+        if self.gate_proj.bias is None and torch.is_grad_enabled() and under_checkpoint():
+            return GLUMLPFunction.apply(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
+                                        self.activation)
         return GLUDownProjFunction.apply(
             self.gate_proj(x), self.up_proj(x), self.down_proj.weight, self.down_proj.bias, self.activation, True
         )

@@ -1,10 +1,12 @@
 """One file per op: its Triton kernels, then one torch.autograd.Function."""
 
 from tigon.ops.cross_entropy import CrossEntropyFunction
+from tigon.ops.embedding import EmbeddingFunction, TiedGradSlot
 from tigon.ops.fused_add_rms_norm import FusedAddRMSNormFunction
 from tigon.ops.fused_linear_cross_entropy import FusedLinearCrossEntropyFunction
 from tigon.ops.glu import GLUFunction
 from tigon.ops.glu_linear import GLUDownProjFunction
+from tigon.ops.glu_mlp import GLUMLPFunction
 from tigon.ops.jsd import LinearJSDFunction
 from tigon.ops.layer_norm import LayerNormFunction
 from tigon.ops.linear_token_logps import LinearTokenLogpsFunction
@@ -13,13 +15,16 @@ from tigon.ops.rope import RoPEFunction
 
 __all__ = [
     "CrossEntropyFunction",
+    "EmbeddingFunction",
     "FusedAddRMSNormFunction",
     "FusedLinearCrossEntropyFunction",
     "GLUDownProjFunction",
     "GLUFunction",
+    "GLUMLPFunction",
     "LayerNormFunction",
     "LinearJSDFunction",
     "LinearTokenLogpsFunction",
     "RMSNormFunction",
     "RoPEFunction",
+    "TiedGradSlot",
 ]

@@ -8,6 +8,7 @@ every kernel on a machine without a GPU.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from typing import NamedTuple
 
@@ -108,6 +109,54 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < x2.shape[1]):
         x2 = x2.contiguous()
     return x2
+
+
+def accumulate_mm(acc, a, b, first=False):
+    """acc += a @ b (acc = a @ b when first), with fp32 accumulation inside the matmul; acc may
+    be fp32 for bf16 a, b (then it starts zeroed)."""
+    if first and acc.dtype == a.dtype:
+        torch.mm(a, b, out=acc)  # no zero fill, no read of acc: ~2 |acc| bytes saved
+    elif acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.add_(torch.mm(a.to(acc.dtype), b.to(acc.dtype)))
+
+
+def _checkpoint_pack_hook():
+    """The pack hook of the innermost torch.utils.checkpoint (non-reentrant) region we are in,
+    unwrapped, or None."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is None:
+        return None
+    pack = inspect.unwrap(hooks[0])
+    name = getattr(pack, "__qualname__", "")
+    return pack if ("_checkpoint_hook" in name or "_recomputation_hook" in name) else None
+
+
+def under_checkpoint() -> bool:
+    """True inside a non-reentrant torch.utils.checkpoint region (its forward or its
+    recomputation), where what a Function saves is dropped and recomputed later."""
+    try:
+        return _checkpoint_pack_hook() is not None
+    except Exception:  # checkpoint's internals moved: behave as outside
+        return False
+
+
+def checkpoint_recompute_stops_after(n_saved: int) -> bool:
+    """True when this is checkpoint's recomputation and it stops (its early stop) as soon as the
+    next ``n_saved`` tensors are saved: then the caller's output is never read, only what it
+    saves. Reads checkpoint's private state; anything unexpected gives False (compute as usual)."""
+    try:
+        pack = _checkpoint_pack_hook()
+        if pack is None or "_recomputation_hook" not in pack.__qualname__:
+            return False
+        cells = dict(zip(pack.__code__.co_freevars, (c.cell_contents for c in pack.__closure__)))
+        frame, gid = cells["target_frame_ref"](), cells["gid"]
+        return bool(frame.early_stop) and len(frame.weak_holders) - frame.recomp_counter[gid] == n_saved
+    except Exception:
+        return False
 
 
 # Largest row a one-block-per-row kernel holds in registers (fp32: 256 KiB per program at

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from tigon.ops._common import cdiv, check_same_device, check_tensor, new_output
+from tigon.ops._common import accumulate_mm, cdiv, check_same_device, check_tensor, new_output
 from tigon.ops.cross_entropy import (
     check_cross_entropy_options,
     cross_entropy_norms,
@@ -43,19 +43,6 @@ def chunk_rows_for_budget(n_rows: int, vocab: int, element_size: int, budget_byt
     n_chunks = cdiv(n_rows, fit)
     rows = cdiv(n_rows, n_chunks)
     return min(fit, cdiv(rows, 64) * 64) if fit >= 64 else rows
-
-
-def _accumulate_mm(acc, a, b, first=False):
-    """acc += a @ b (acc = a @ b when first), with fp32 accumulation inside the matmul; acc may
-    be fp32 for bf16 a, b (then it starts zeroed)."""
-    if first and acc.dtype == a.dtype:
-        torch.mm(a, b, out=acc)  # no zero fill, no read of acc: ~2 |dW| bytes saved
-    elif acc.dtype == a.dtype:
-        acc.addmm_(a, b)
-    elif acc.is_cuda:
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-    else:
-        acc.add_(torch.mm(a.to(acc.dtype), b.to(acc.dtype)))
 
 
 def flce_chunks(x2, w, bias, target, norms, opts, *, need_dx, need_dw, need_db, accum_dtype, chunk_rows,
@@ -100,7 +87,7 @@ def flce_chunks(x2, w, bias, target, norms, opts, *, need_dx, need_dw, need_db, 
         if need_dx:
             torch.mm(logits, wc, out=dx[start:stop])
         if need_dw:
-            _accumulate_mm(dw, logits.t(), xc, first=start == 0)
+            accumulate_mm(dw, logits.t(), xc, first=start == 0)
         if need_db:
             db += logits.sum(0, dtype=torch.float32)
     cat = (lambda parts: torch.cat(parts) if parts[0] is not None else None)
@@ -130,7 +117,8 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                 ce_weight=None, lse_square_scale=0.0, softcap=None, return_z_loss=False,
-                return_token_accuracy=False, chunk_budget=None, accum_dtype=None, grad_enabled=True):
+                return_token_accuracy=False, chunk_budget=None, accum_dtype=None, grad_enabled=True,
+                tied_slot=None):
         check_flce_args(x, weight, target, bias)
         x2 = x.reshape(-1, x.shape[-1])
         if x2.stride(-1) != 1:
@@ -153,6 +141,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             accum_dtype=accum_dtype, chunk_rows=chunk_rows)
         loss, z_loss, accuracy = reduce_loss_rows(loss_rows, z_rows, correct, norms, target, ignore_index, reduction)
         ctx.deferred = deferred
+        ctx.tied_slot = tied_slot
         ctx.x_shape = x.shape
         ctx.param_dtypes = (weight.dtype, None if bias is None else bias.dtype)
         if deferred:
@@ -185,4 +174,6 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         dx = dx.view(ctx.x_shape) if dx is not None else None
         dw = dw.to(w_dtype) if dw is not None else None
         db = db.to(b_dtype) if db is not None else None
-        return (dx, dw, None, db) + (None,) * 11
+        if dw is not None and ctx.tied_slot is not None and ctx.tied_slot.offer(dw):
+            dw = None  # the tied embedding's backward adds its rows into it and returns the sum
+        return (dx, dw, None, db) + (None,) * 12

@@ -5,7 +5,10 @@ Autograd would keep c = act(a) * b alive for the down projection's weight gradie
 function keeps only a and b and recomputes c (one cheap elementwise pass) in the backward,
 saving one [tokens, I] activation per MLP layer.
 
-The backward walks the I columns in slices: dc_j = dout @ W[:, j], c_j, dW[:, j] =
+The forward walks the rows in slices (c_r = act(a_r) * b_r, out_r = c_r @ W^T), so c is never
+whole: under gradient checkpointing this forward runs again inside the backward, where a full
+[tokens, I] c on top of the saved a and b was a layer's memory peak. Each output row is still
+one matmul over all of I (no extra rounding). The backward walks the I columns in slices: dc_j = dout @ W[:, j], c_j, dW[:, j] =
 dout^T c_j, then da_j / db_j. Its transient memory is two [tokens, I / n_slices] buffers, not
 two [tokens, I]. With reuse_inputs=True, da and db are written over a and b (dead after their
 slice is read), so the backward allocates nothing of [tokens, I]; a and b must then be
@@ -26,6 +29,10 @@ from tigon.ops.glu import check_glu_args, glu_backward, glu_forward
 # ms at T65536 H2048 I8192; 2 and 4 had the same peak memory, 1 had 48-288 MB more.
 BACKWARD_SLICES = 2
 MIN_SLICE_COLUMNS = 1024
+# Rows per forward slice: c_r is at most a quarter of c, and slices of >= 2048 rows keep the
+# matmuls large.
+FORWARD_SLICES = 4
+MIN_SLICE_ROWS = 2048
 
 
 def backward_slice_columns(n_cols: int, min_columns: int = MIN_SLICE_COLUMNS) -> int:
@@ -33,6 +40,40 @@ def backward_slice_columns(n_cols: int, min_columns: int = MIN_SLICE_COLUMNS) ->
     width = -(-n_cols // BACKWARD_SLICES)
     width = -(-width // 64) * 64
     return min(n_cols, max(width, min_columns))
+
+
+def forward_slice_rows(n_rows: int) -> int:
+    """Rows of one forward slice (a multiple of 64, or all rows)."""
+    rows = -(-n_rows // FORWARD_SLICES)
+    if rows > 64:
+        rows = -(-rows // 64) * 64
+    return min(n_rows, max(rows, MIN_SLICE_ROWS))
+
+
+def glu_down_forward(a2, b2, w, bias, activation):
+    """(act(a2) * b2) @ w^T + bias in row slices; [M, I] x2 -> [M, H]. Matmuls in the autocast
+    dtype when autocast is on, else in a2's dtype (w must then match it, as F.linear)."""
+    n_rows = a2.shape[0]
+    step = forward_slice_rows(n_rows)
+    if step >= n_rows:
+        return F.linear(glu_forward(a2, b2, activation), w, bias)  # autocast, if on, picks the matmul dtype
+    device_type = a2.device.type
+    mm = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else a2.dtype
+    if w.dtype != mm and not torch.is_autocast_enabled(device_type):
+        raise TypeError(f"down_weight has dtype {w.dtype} but a has {a2.dtype} (and autocast is off)")
+    w_t = w.to(mm).t()
+    bias_mm = None if bias is None else bias.to(mm)
+    out = torch.empty((n_rows, w.shape[0]), dtype=mm, device=a2.device)
+    with torch.autocast(device_type, enabled=False):
+        for start in range(0, n_rows, step):
+            rows = slice(start, min(start + step, n_rows))
+            c_r = glu_forward(a2[rows], b2[rows], activation).to(mm)
+            if bias_mm is None:
+                torch.mm(c_r, w_t, out=out[rows])
+            else:
+                torch.addmm(bias_mm, c_r, w_t, out=out[rows])
+            del c_r
+    return out
 
 
 class GLUDownProjFunction(torch.autograd.Function):
@@ -54,8 +95,7 @@ class GLUDownProjFunction(torch.autograd.Function):
                 )
         check_same_device(a=a, down_weight=down_weight, down_bias=down_bias)
         a2, b2 = as_rows(a), as_rows(b)
-        c = glu_forward(a2, b2, activation)
-        out = F.linear(c, down_weight, down_bias)  # autocast, if on, picks the matmul dtype
+        out = glu_down_forward(a2, b2, down_weight, down_bias, activation)
         ctx.save_for_backward(a2, b2, down_weight)
         ctx.activation = activation
         ctx.matmul_dtype = out.dtype

@@ -7,6 +7,7 @@ they are: the forwards read the HF module's own parameters.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -14,7 +15,8 @@ import torch
 from torch import nn
 
 from tigon import functional as TF
-from tigon.ops import GLUDownProjFunction, GLUFunction
+from tigon.ops import GLUDownProjFunction, GLUFunction, GLUMLPFunction, TiedGradSlot
+from tigon.ops._common import under_checkpoint
 
 
 def _eager(fn):
@@ -27,8 +29,10 @@ _rms_norm = _eager(TF.rms_norm)
 _rope = _eager(TF.apply_rotary_pos_emb)
 _glu = _eager(GLUFunction.apply)
 _glu_down = _eager(GLUDownProjFunction.apply)
+_glu_mlp = _eager(GLUMLPFunction.apply)
 _flce = _eager(TF.fused_linear_cross_entropy)
 _cross_entropy = _eager(TF.cross_entropy)
+_embedding = _eager(TF.embedding)
 
 
 class TigonPatchError(RuntimeError):
@@ -100,9 +104,20 @@ def _glu_then_down(module, gate, up, down):
     return down(_glu(gate, up, activation))  # LoRA / quantised layers keep their forward
 
 
-def make_mlp_forward(layout: str):
+def _plain_linear(module) -> bool:
+    return type(module) is nn.Linear and module.bias is None
+
+
+def make_mlp_forward(layout: str, recompute_under_checkpoint: bool = False):
+    """The gated MLP's forward. With ``recompute_under_checkpoint`` (the family's layers save
+    nothing after the MLP), under torch.utils.checkpoint it keeps only its input."""
     if layout == "gate_up_down":
         def forward(self, x):
+            if (recompute_under_checkpoint and torch.is_grad_enabled() and _plain_linear(self.gate_proj)
+                    and _plain_linear(self.up_proj) and _plain_linear(self.down_proj) and under_checkpoint()):
+                # Under gradient checkpointing: keep only x, recompute gate / up in the backward.
+                return _glu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
+                                mlp_activation(self))
             return _glu_then_down(self, self.gate_proj(x), self.up_proj(x), self.down_proj)
     elif layout == "fused_gate_up":
         def forward(self, x):
@@ -110,7 +125,7 @@ def make_mlp_forward(layout: str):
             return _glu_then_down(self, gate, up, self.down_proj)
     else:
         raise ValueError(f"unknown MLP layout {layout!r}")
-    forward._tigon = f"gated MLP ({layout})"
+    forward._tigon = f"gated MLP ({layout}{', input-only under checkpointing' if recompute_under_checkpoint else ''})"
     return forward
 
 
@@ -167,6 +182,51 @@ def shifted_labels(labels, shift_labels, ignore_index):
     return nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
+@contextlib.contextmanager
+def _instance_forward(module: nn.Module | None, forward):
+    """module.forward = forward for the block (nothing when module is None), then whatever
+    instance-level forward was there before."""
+    if module is None:
+        yield
+        return
+    own = vars(module)
+    had, before = "forward" in own, own.get("forward")
+    own["forward"] = forward
+    try:
+        yield
+    finally:
+        if had:
+            own["forward"] = before
+        else:
+            own.pop("forward", None)
+
+
+def tied_input_embedding(model: nn.Module, head: nn.Module) -> nn.Module | None:
+    """The model's input embedding when it shares ``head``'s weight and tigon can run it
+    (an nn.Embedding without max_norm / scale_grad_by_freq / sparse, optionally times an
+    ``embed_scale`` as Gemma's), else None."""
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not isinstance(embed, nn.Embedding) or embed.weight is not getattr(head, "weight", None):
+        return None
+    if embed.max_norm is not None or embed.scale_grad_by_freq or embed.sparse:
+        return None
+    if type(embed).forward is not nn.Embedding.forward and not hasattr(embed, "embed_scale"):
+        return None  # a subclass doing something tigon does not know
+    return embed
+
+
+def make_tied_embedding_forward(embed: nn.Embedding, slot: TiedGradSlot):
+    """embed's forward on tigon's embedding op, sharing ``slot`` with the head's FLCE."""
+    def forward(input_ids):
+        out = _embedding(input_ids, embed.weight, embed.padding_idx, slot)
+        scale = getattr(embed, "embed_scale", None)
+        if scale is not None:
+            out = out * (scale.to(out.dtype) if torch.is_tensor(scale) else scale)
+        return out
+
+    return forward
+
+
 def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mode="flce", chunk_budget=None):
     """Wrap a *ForCausalLM.forward. With labels and the model in training (or ``skip_logits=True``),
     mode "flce" computes the loss from the last hidden state and the lm_head weight without the
@@ -174,7 +234,9 @@ def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mo
     does and the loss with tigon's cross entropy. Without labels, or in eval, HF's forward runs
     unchanged. Honours num_items_in_batch, shift_labels, ignore_index, logits_to_keep, Gemma's
     final_logit_softcapping, Granite's logits_scaling and MoE auxiliary losses. ``chunk_budget``:
-    bytes of logits an FLCE chunk may hold (None: FLCE's default, 512 MiB)."""
+    bytes of logits an FLCE chunk may hold (None: FLCE's default, 512 MiB). With tied input and
+    output embeddings, the embedding runs on tigon's op during the call and the two share one
+    [V, H] gradient buffer (see tigon.ops.embedding)."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -197,13 +259,13 @@ def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mo
             captured["hidden"] = hidden
             return hidden.new_empty(*hidden.shape[:-1], 0)  # softcap / scaling on it cost nothing
 
-        if mode == "flce":
-            head.forward = capture
-        try:
+        slot = embed = None
+        if mode == "flce" and torch.is_grad_enabled():
+            embed = tied_input_embedding(self, head)
+            slot = TiedGradSlot() if embed is not None else None
+        with _instance_forward(head if mode == "flce" else None, capture), \
+                _instance_forward(embed, None if embed is None else make_tied_embedding_forward(embed, slot)):
             out = original(*bound.args, **bound.kwargs)
-        finally:
-            if mode == "flce":
-                del head.forward
         ignore_index = extra.get("ignore_index", -100)
         target = shifted_labels(labels, extra.get("shift_labels"), ignore_index)
         num_items = extra.get("num_items_in_batch")
@@ -217,7 +279,7 @@ def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mo
             if divisor_attr and getattr(config, divisor_attr, None):
                 hidden = hidden / getattr(config, divisor_attr)
             loss = _flce(hidden, head.weight, target.to(hidden.device), head.bias, ignore_index=ignore_index,
-                         reduction=reduction, softcap=softcap, chunk_budget=chunk_budget)
+                         reduction=reduction, softcap=softcap, chunk_budget=chunk_budget, tied_slot=slot)
             logits = None
         else:
             logits = out.logits

@@ -195,7 +195,9 @@ def apply_family(family: Family, *, rope=True, rms_norm=True, swiglu=True, fused
                 if identify_activation(act) is None:
                     raise TigonPatchError(f"{family.name}: {cls.__name__} uses activation {act!r}, which tigon "
                                           "does not fuse (SiLU, GELU tanh, GELU erf); pass swiglu=False")
-        put(cls, "forward", make_mlp_forward(family.mlp_layout), "swiglu", f"{cls.__name__} ({family.mlp_layout})")
+        recompute = not family.mlp_output_saved and family.mlp_layout == "gate_up_down"
+        put(cls, "forward", make_mlp_forward(family.mlp_layout, recompute), "swiglu",
+            f"{cls.__name__} ({family.mlp_layout}{'; only its input kept under checkpointing' if recompute else ''})")
     if experts_class is not None:
         put(experts_class, "forward", make_experts_forward(experts_class.forward), "swiglu",
             f"{experts_class.__name__} (eager loop)")

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Device call for issue 4's memory target: GPU tests of the tied-embedding path, the Llama-1B
+# peak broken down by the allocator trace (MLP slices as given), and the HF vs tigon training run.
+# Usage (device machine, repo root, carry .whl): OUT=/some/dir bash scripts/gpu_issue4.sh [tests|trace|train|all|sweep|shapes] [slice MiB...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PART=${1:-all}
+shift || true
+SLICE_MIB=${*:-16}
+source scripts/device_env.sh
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+status=0
+if [ "$PART" = tests ] || [ "$PART" = all ]; then
+  timeout 200 python3 -m pytest -q --gpu -p no:cacheprovider tests/ops/test_embedding.py tests/ops/test_glu.py tests/ops/test_glu_mlp.py tests/ops/test_fused_linear_cross_entropy.py \
+    tests/integration/test_patching.py -k "embedding or tied or llama or gemma or glu or checkpointing or flce" 2>&1 | tail -4 | tee "$OUT/gpu_tests.log" || status=1
+fi
+if [ "$PART" = trace ] || [ "$PART" = all ]; then
+  for s in $SLICE_MIB; do
+    timeout 120 python3 benchmarks/memory_peak.py --shape llama-1b --impl tigon --trace --top 30 --mlp-slice-mib "$s" 2>&1 \
+      | grep -v Warning | tee "$OUT/memory_trace_tigon_slice${s}mib.log" || status=1
+  done
+fi
+if [ "$PART" = train ] || [ "$PART" = all ]; then
+  timeout 400 python3 benchmarks/train_hf.py --shape llama-1b --impls ${IMPLS:-hf,tigon} --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/train_llama-1b.log" || status=1
+fi
+if [ "$PART" = sweep ]; then  # the README's end-to-end tables
+  timeout 330 python3 benchmarks/train_hf.py --shape llama-1b --batches 8 16 32 64 --impls hf,tigon,liger --steps 6 \
+    --warmup 2 --out "$OUT" 2>&1 | grep -v -i "warn\|backend impl" | tee "$OUT/sweep_llama-1b.log" || status=1
+  timeout 90 python3 benchmarks/mlp_slices.py 2>&1 | tee "$OUT/mlp_slices.log" || status=1
+  timeout 150 python3 benchmarks/mlp_checkpoint.py 2>&1 | tee "$OUT/mlp_checkpoint.log" || status=1
+fi
+if [ "$PART" = shapes ]; then
+  for shape in qwen2.5-0.5b gemma2-2b; do
+    timeout 200 python3 benchmarks/train_hf.py --shape $shape --batches 8 16 --impls hf,tigon,liger --steps 6 \
+      --warmup 2 --out "$OUT" 2>&1 | grep -v -i "warn\|backend impl" | tee "$OUT/sweep_$shape.log" || status=1
+  done
+fi
+exit $status

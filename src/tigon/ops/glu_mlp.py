@@ -1,0 +1,152 @@
+"""Gated MLP out = (act(x @ Wg^T) * (x @ Wu^T)) @ Wd^T that saves only x for its backward.
+
+x [..., H], gate_weight / up_weight [I, H], down_weight [H, I] -> out [..., H]. Meant for
+layers under gradient checkpointing (torch.utils.checkpoint, non-reentrant), where the layer's
+forward runs twice anyway:
+
+- Nothing of size [tokens, I] is saved. The backward recomputes gate and up one column slice of
+  I at a time ([a_j | b_j] = x [Wg_j; Wu_j]^T, one matmul), and from them c_j, dW_down[:, j],
+  dc_j, da_j / db_j (written over a_j / b_j), dW_gate[j], dW_up[j] and dx += [da_j | db_j]
+  [Wg_j; Wu_j] (one matmul, fp32 accumulation). Its transient memory is three [tokens, slice]
+  buffers and an fp32 dx, instead of the two [tokens, I] activations (gate and up) that an MLP
+  keeps for its backward.
+- In checkpoint's recomputation, when saving this op's inputs is the last thing the recompute
+  needs (checkpoint's early stop: the MLP is the last op of a Llama-style layer that saves
+  anything), the forward skips its three matmuls: its output is never read.
+
+Per layer under checkpointing this is 11 matmuls (3 forward, 8 backward) where an MLP that keeps
+gate and up does 12 (3 forward, 3 again in the recompute, 6 backward). The forward computes gate
+and up in the same column slices as the backward, so the recomputed values are bit-identical.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tigon.ops._common import (
+    accumulate_mm,
+    as_rows,
+    check_same_device,
+    check_tensor,
+    checkpoint_recompute_stops_after,
+)
+from tigon.ops.glu import ACTIVATIONS, glu_backward, glu_forward
+
+# Bytes of one [tokens, slice] buffer (three are live in the backward). H100, a Llama-1B MLP block
+# under checkpoint, fwd+bwd at 8192 tokens (benchmarks/mlp_checkpoint.py): budgets of 16 / 32 /
+# 64 / 128 MiB took 6.38 / 5.06 / 4.93 / 5.02 ms (peak 112 / 160 / 256 / 448 MiB), against 5.45 ms
+# (256 MiB) for the path that keeps gate and up. Below 32 MiB the fp32 dx, read and written once
+# per slice, and the narrower matmuls cost more than they save.
+SLICE_BUDGET_BYTES = 32 * 2**20
+# Narrower slices than this cost more than they save: more matmuls, and the fp32 dx read and
+# written once more per slice (with 512- and 256-column slices a Llama-1B step at batch 32 and
+# 64 x 1024 ran 11% and 28% slower than with the MLP that keeps gate and up).
+MIN_SLICE_COLUMNS = 2048
+
+
+def mlp_slice_columns(n_rows: int, n_cols: int, element_size: int, budget: int | None = None) -> int:
+    """Columns of one slice of the intermediate (a multiple of 64, or all of I)."""
+    budget = SLICE_BUDGET_BYTES if budget is None else budget
+    width = budget // max(1, n_rows * element_size)
+    width = max(MIN_SLICE_COLUMNS, width // 64 * 64)
+    return min(n_cols, width)
+
+
+def column_slices(n_cols: int, width: int):
+    return [slice(start, min(start + width, n_cols)) for start in range(0, n_cols, width)]
+
+
+def check_glu_mlp_args(x, gate_weight, up_weight, down_weight, activation):
+    check_tensor("x", x, min_ndim=1)
+    for name, w in (("gate_weight", gate_weight), ("up_weight", up_weight), ("down_weight", down_weight)):
+        check_tensor(name, w, ndim=2)
+    hidden = x.shape[-1]
+    if gate_weight.shape[1] != hidden or up_weight.shape != gate_weight.shape:
+        raise ValueError(f"gate_weight {tuple(gate_weight.shape)} and up_weight {tuple(up_weight.shape)} must both be "
+                         f"[I, H] with H = x's last dim {hidden}")
+    if down_weight.shape != (hidden, gate_weight.shape[0]):
+        raise ValueError(f"down_weight has shape {tuple(down_weight.shape)}; expected [H, I] = "
+                         f"{[hidden, gate_weight.shape[0]]}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    check_same_device(x=x, gate_weight=gate_weight, up_weight=up_weight, down_weight=down_weight)
+
+
+def _matmul_dtype(x):
+    device_type = x.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+
+
+class GLUMLPFunction(torch.autograd.Function):
+    """out = (act(x Wg^T) * (x Wu^T)) Wd^T, saving (x, Wg, Wu, Wd) only; see the module docstring."""
+
+    # Recomputations skipped since import (a counter for tests and benchmarks).
+    skipped_recomputes = 0
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x, gate_weight, up_weight, down_weight, activation="silu", slice_columns=None):
+        check_glu_mlp_args(x, gate_weight, up_weight, down_weight, activation)
+        mm = _matmul_dtype(x)
+        for name, w in (("gate_weight", gate_weight), ("up_weight", up_weight), ("down_weight", down_weight)):
+            if w.dtype != mm and not torch.is_autocast_enabled(x.device.type):
+                raise TypeError(f"{name} has dtype {w.dtype} but x has {x.dtype} (and autocast is off)")
+        ctx.save_for_backward(x, gate_weight, up_weight, down_weight)
+        ctx.activation = activation
+        ctx.matmul_dtype = mm
+        out_shape = (*x.shape[:-1], down_weight.shape[0])
+        n_rows, n_cols = x.numel() // max(1, x.shape[-1]), gate_weight.shape[0]
+        ctx.slice_columns = slice_columns or mlp_slice_columns(n_rows, n_cols, torch.empty((), dtype=mm).element_size())
+        if checkpoint_recompute_stops_after(4):
+            GLUMLPFunction.skipped_recomputes += 1
+            return x.new_empty(out_shape, dtype=mm)  # checkpoint stops once the inputs above are saved
+        x2 = as_rows(x).to(mm)
+        wg, wu, wd = gate_weight.to(mm), up_weight.to(mm), down_weight.to(mm)
+        c = torch.empty((n_rows, n_cols), dtype=mm, device=x.device)
+        with torch.autocast(x.device.type, enabled=False):
+            for cols in column_slices(n_cols, ctx.slice_columns):
+                width = cols.stop - cols.start
+                ab_j = x2 @ torch.cat([wg[cols], wu[cols]]).t()  # [gate_j | up_j]: one matmul
+                glu_forward(ab_j[:, :width], ab_j[:, width:], activation, out=c[:, cols])
+                del ab_j
+            out = c @ wd.t()
+        return out.view(out_shape)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dout):
+        x, gate_weight, up_weight, down_weight = ctx.saved_tensors
+        need_x, need_wg, need_wu, need_wd = ctx.needs_input_grad[:4]
+        mm, act = ctx.matmul_dtype, ctx.activation
+        x2 = as_rows(x).to(mm)
+        dout2 = as_rows(dout).to(mm)
+        wg, wu, wd = gate_weight.to(mm), up_weight.to(mm), down_weight.to(mm)
+        n_rows, n_cols = x2.shape[0], wg.shape[0]
+        d_wg = torch.empty(wg.shape, dtype=mm, device=x.device) if need_wg else None
+        d_wu = torch.empty(wu.shape, dtype=mm, device=x.device) if need_wu else None
+        d_wd = torch.empty(wd.shape, dtype=mm, device=x.device) if need_wd else None
+        dx = torch.zeros(x2.shape, dtype=torch.float32, device=x.device) if need_x else None
+        need_ab = need_x or need_wg or need_wu
+        for cols in column_slices(n_cols, ctx.slice_columns):
+            width = cols.stop - cols.start
+            ab_j = x2 @ torch.cat([wg[cols], wu[cols]]).t()  # [gate_j | up_j], as in the forward
+            a_j, b_j = ab_j[:, :width], ab_j[:, width:]
+            c_j = glu_forward(a_j, b_j, act)
+            if need_wd:
+                torch.mm(dout2.t(), c_j, out=d_wd[:, cols])
+            if need_ab:
+                torch.mm(dout2, wd[:, cols], out=c_j)  # dc_j, over c_j
+                glu_backward(c_j, a_j, b_j, act, da_out=a_j, db_out=b_j)  # [da_j | db_j] over ab_j
+            del c_j
+            if need_wg:
+                torch.mm(a_j.t(), x2, out=d_wg[cols])
+            if need_wu:
+                torch.mm(b_j.t(), x2, out=d_wu[cols])
+            if need_x:  # da_j Wg_j + db_j Wu_j in one matmul; the stacked weights built again, not kept
+                accumulate_mm(dx, ab_j, torch.cat([wg[cols], wu[cols]]))
+            del ab_j, a_j, b_j
+        if need_x:
+            dx = dx.to(x.dtype).view(x.shape)
+        grads = [(g.to(w.dtype) if g is not None else None)
+                 for g, w in ((d_wg, gate_weight), (d_wu, up_weight), (d_wd, down_weight))]
+        return (dx, *grads, None, None)

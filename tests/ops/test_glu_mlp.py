@@ -1,0 +1,99 @@
+import pytest
+import torch
+import torch.utils.checkpoint as checkpoint_module
+
+from tests.helpers import DEVICE, DTYPES, check_op, pick, randn, rel_err
+from tests.ops.test_glu import ref_glu
+from tigon import functional as F
+from tigon.ops import GLUMLPFunction
+
+# (tokens, hidden, intermediate); on the CPU the intermediate is cut into 3 ragged slices of 16.
+TOKENS, HIDDEN, INTER = pick((2, 5), (2, 1023)), pick(24, 2048), pick(40, 5632 + 64)
+SLICE = pick(16, 2048)
+
+
+def ref_mlp(x, wg, wu, wd, activation="silu"):
+    return torch.nn.functional.linear(ref_glu(x @ wg.t(), x @ wu.t(), activation), wd)
+
+
+def make_weights(dtype, requires_grad=True):
+    wg = randn((INTER, HIDDEN), dtype, scale=HIDDEN**-0.5 * 2, requires_grad=requires_grad)
+    wu = randn((INTER, HIDDEN), dtype, scale=HIDDEN**-0.5, requires_grad=requires_grad)
+    wd = randn((HIDDEN, INTER), dtype, scale=INTER**-0.5, requires_grad=requires_grad)
+    return wg, wu, wd
+
+
+# The projections are matmuls: in fp32 they may run in tf32 on the GPU.
+def tol(dtype):
+    return 1e-2 if dtype == torch.bfloat16 else 1e-3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("slices", ["ragged", "one"])
+@pytest.mark.parametrize("non_contiguous", [False, True])
+def test_glu_mlp_matches_reference(dtype, activation, slices, non_contiguous):
+    x = randn((*TOKENS, HIDDEN), dtype, non_contiguous=non_contiguous, requires_grad=True)
+    slice_columns = SLICE if slices == "ragged" else None
+
+    def ours(x, wg, wu, wd):
+        return GLUMLPFunction.apply(x, wg, wu, wd, activation, slice_columns)
+
+    check_op(ours, lambda *t: ref_mlp(*t, activation), [x, *make_weights(dtype)], dtype=dtype, tol=tol(dtype),
+             what=f"glu_mlp[{activation}, {slices}, non_contiguous={non_contiguous}]")
+
+
+def test_glu_mlp_frozen_weights():
+    x = randn((*TOKENS, HIDDEN), torch.float32, requires_grad=True)
+    check_op(lambda x, wg, wu, wd: F.glu_mlp(x, wg, wu, wd), ref_mlp, [x, *make_weights(torch.float32, False)],
+             dtype=torch.float32, tol=1e-3, what="glu_mlp, frozen weights")
+
+
+def layer(x, weights, tail):
+    """A Llama-style half layer: residual + MLP(scaled x), then ``tail`` (what follows the MLP)."""
+    return tail(x + F.glu_mlp(x * 1.5, *weights))
+
+
+def ref_layer(x, weights, tail):
+    return tail(x + ref_mlp(x * 1.5, *weights))
+
+
+TAILS = {
+    "nothing": lambda h: h,  # nothing after the MLP saves a tensor: the recompute stops at it
+    "saves": lambda h: h * h,  # the tail saves h: the MLP's output is needed, no skip
+}
+
+
+@pytest.mark.parametrize("tail", list(TAILS))
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_glu_mlp_under_checkpoint(tail, early_stop):
+    """Under torch.utils.checkpoint (non-reentrant): gradients match, and the forward's matmuls
+    are skipped in the recomputation exactly when checkpoint stops right after the MLP."""
+    x = randn((*TOKENS, HIDDEN), torch.float32, requires_grad=True)
+    weights = make_weights(torch.float32)
+    x64, weights64 = (x.detach().double().requires_grad_(True),
+                      [w.detach().double().requires_grad_(True) for w in weights])
+    cotangent = torch.randn(x.shape, device=DEVICE, dtype=torch.float64)
+    skipped = GLUMLPFunction.skipped_recomputes
+    with checkpoint_module.set_checkpoint_early_stop(early_stop):
+        out = checkpoint_module.checkpoint(layer, x, weights, TAILS[tail], use_reentrant=False)
+        out.backward(cotangent.float())
+    ref_layer(x64, weights64, TAILS[tail]).backward(cotangent)
+    expect_skip = early_stop and tail == "nothing"
+    assert GLUMLPFunction.skipped_recomputes - skipped == int(expect_skip)
+    for name, got, want in zip(["x", "gate", "up", "down"], [x, *weights], [x64, *weights64]):
+        err = rel_err(got.grad, want.grad)
+        assert err <= tol(torch.float32), f"gradient of {name}: relative error {err:.2e}"
+
+
+def test_glu_mlp_bad_inputs():
+    x = randn((3, HIDDEN), torch.float32)
+    wg, wu, wd = make_weights(torch.float32, False)
+    with pytest.raises(ValueError, match="up_weight"):
+        F.glu_mlp(x, wg, wu[:, :-1], wd)
+    with pytest.raises(ValueError, match="down_weight"):
+        F.glu_mlp(x, wg, wu, wd.t())
+    with pytest.raises(ValueError, match="activation"):
+        F.glu_mlp(x, wg, wu, wd, activation="relu")
+    with pytest.raises(TypeError, match="gate_weight"):
+        F.glu_mlp(x, wg.double(), wu, wd)
