@@ -1,9 +1,11 @@
 """Where a training step's time goes, HF vs HF + tigon: torch.profiler over two steps of
 benchmarks/train_hf.py's setup; prints wall time, GPU busy time, kernel launches per step and the
-top kernels. CUDA only: ``PYTHONPATH=src:benchmarks python benchmarks/profile_step.py --shape qwen2.5-0.5b``."""
+top kernels, and the host syncs one step makes (torch.cuda.set_sync_debug_mode). CUDA only: ``PYTHONPATH=src:benchmarks python benchmarks/profile_step.py --shape qwen2.5-0.5b``."""
 
 import argparse
+import collections
 import time
+import warnings
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -33,6 +35,19 @@ def main():
 
         for _ in range(3):
             step()
+        torch.cuda.synchronize()
+        syncs = collections.Counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        for w in caught:
+            if "synchroniz" in str(w.message):
+                syncs[str(w.message)[:60] + " @ " + f"{w.filename.split('/')[-1]}:{w.lineno}"] += 1
+        print(f"{impl}: {sum(syncs.values())} host syncs in one step: {dict(syncs)}", flush=True)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()

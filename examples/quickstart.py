@@ -73,6 +73,12 @@ freqs = torch.arange(tokens, device=device)[:, None] / 10000 ** (torch.arange(0,
 emb = torch.cat((freqs, freqs), -1)[None]
 cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
 compare("apply_rotary_pos_emb", lambda q, k: TF.apply_rotary_pos_emb(q, k, cos, sin), lambda q, k: rope_ref(q, k, cos, sin), [q, k])
+wg, wu, wd = leaf(inter, hidden, scale=hidden**-0.5), leaf(inter, hidden, scale=hidden**-0.5), leaf(hidden, inter, scale=inter**-0.5)
+compare("glu_mlp", lambda x, wg, wu, wd: TF.glu_mlp(x, wg, wu, wd),
+        lambda x, wg, wu, wd: (F.silu(x @ wg.t()) * (x @ wu.t())) @ wd.t(), [x, wg, wu, wd])
+ids = torch.randint(0, 997, (tokens,), device=device)
+ids[: tokens // 2] = 5  # a frequent token: its rows are summed in fp32
+compare("embedding", lambda table: TF.embedding(ids, table), lambda table: F.embedding(ids, table), [leaf(997, hidden)])
 mlp = TigonSwiGLUMLP(hidden_size=hidden, intermediate_size=inter).to(device, dtype)
 mlp(x).sum().backward()
 print(f"{'TigonSwiGLUMLP':22s} forward+backward ran; printed as {mlp.__class__.__name__}({mlp.extra_repr()})")

@@ -12,8 +12,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 status=0
 if [ "$PART" = tests ] || [ "$PART" = all ]; then
-  timeout 200 python3 -m pytest -q --gpu -p no:cacheprovider tests/ops/test_embedding.py tests/ops/test_glu.py tests/ops/test_glu_mlp.py tests/ops/test_fused_linear_cross_entropy.py \
-    tests/integration/test_patching.py -k "embedding or tied or llama or gemma or glu or checkpointing or flce" 2>&1 | tail -4 | tee "$OUT/gpu_tests.log" || status=1
+  timeout 260 python3 -m pytest -q --gpu -p no:cacheprovider tests/ops/test_embedding.py tests/ops/test_glu.py \
+    tests/ops/test_glu_mlp.py tests/ops/test_fused_linear_cross_entropy.py tests/nn tests/integration/test_patching.py \
+    2>&1 | tail -6 | tee "$OUT/gpu_tests.log" || status=1
 fi
 if [ "$PART" = trace ] || [ "$PART" = all ]; then
   for s in $SLICE_MIB; do
@@ -29,6 +30,26 @@ if [ "$PART" = sweep ]; then  # the README's end-to-end tables
     --warmup 2 --out "$OUT" 2>&1 | grep -v -i "warn\|backend impl" | tee "$OUT/sweep_llama-1b.log" || status=1
   timeout 90 python3 benchmarks/mlp_slices.py 2>&1 | tee "$OUT/mlp_slices.log" || status=1
   timeout 150 python3 benchmarks/mlp_checkpoint.py 2>&1 | tee "$OUT/mlp_checkpoint.log" || status=1
+fi
+if [ "$PART" = profile ]; then
+  timeout 200 python3 -m pytest -q --gpu -p no:cacheprovider tests/ops/test_embedding.py tests/ops/test_glu_mlp.py tests/nn \
+    tests/integration/test_patching.py -k "not family_trains_like_hf" 2>&1 | tail -4 | tee "$OUT/gpu_tests_new.log" || status=1
+  timeout 200 python3 benchmarks/profile_step.py --shape llama-1b --top 25 2>&1 | grep -v -i "warn\|backend impl" \
+    | tee "$OUT/profile_llama-1b.log" || status=1
+fi
+if [ "$PART" = labelsync ]; then  # the deferred label check vs the old per-step sync, same machine
+  timeout 60 python3 -m pytest -q --gpu -p no:cacheprovider tests/ops/test_cross_entropy.py -k deferred 2>&1 | tail -2
+  for run in 1 2; do
+    timeout 150 python3 benchmarks/train_hf.py --shape llama-1b --out "$OUT/deferred$run" 2>&1 | grep "batch 8\|/ hf" \
+      | tee "$OUT/train_deferred$run.log"
+    mkdir -p "$OUT/sync$run"
+    timeout 150 python3 -c "
+import contextlib, runpy, sys
+import tigon.patching.forwards as fw
+fw.deferred_label_checks = contextlib.nullcontext  # the label check syncs the host every step, as before
+sys.argv = ['train_hf.py', '--shape', 'llama-1b', '--out', '$OUT/sync$run']
+runpy.run_path('benchmarks/train_hf.py', run_name='__main__')" 2>&1 | grep "batch 8\|/ hf" | tee "$OUT/train_sync$run.log"
+  done
 fi
 if [ "$PART" = shapes ]; then
   for shape in qwen2.5-0.5b gemma2-2b; do

@@ -189,3 +189,33 @@ def test_in_place_gradient_of_a_leaf_is_adopted_not_copied():
     ptr = logits.data_ptr()
     F.cross_entropy(logits, make_target(8, 40)).backward()
     assert logits.grad.data_ptr() == ptr
+
+
+def test_deferred_label_check_cpu_stays_immediate():
+    """Deferral is for CUDA tensors only; on the CPU the check raises at once."""
+    from tigon.ops.cross_entropy import deferred_label_checks
+
+    logits = randn((3, 10), torch.float32).cpu()
+    if DEVICE != "cpu":
+        pytest.skip("CPU tensors reach the kernels only under the interpreter")
+    with deferred_label_checks(), pytest.raises(ValueError, match="target holds 12"):
+        F.cross_entropy(logits, torch.tensor([0, 12, 1]))
+
+
+@pytest.mark.gpu
+def test_deferred_label_check_raises_at_a_later_call():
+    """Inside deferred_label_checks a CUDA call does not sync: the bad call's loss is NaN and a
+    later call (or resolve_label_checks) raises, naming the label."""
+    from tigon.ops.cross_entropy import deferred_label_checks, resolve_label_checks
+
+    logits = randn((3, 10), torch.float32)
+    good = torch.tensor([0, 3, 1], device=DEVICE)
+    with deferred_label_checks():
+        assert torch.isfinite(F.cross_entropy(logits, good))
+        resolve_label_checks(wait=True)  # nothing bad queued: no error
+        loss = F.cross_entropy(logits, torch.tensor([0, 12, -100], device=DEVICE))
+        assert torch.isnan(loss)
+        torch.cuda.synchronize()
+        with pytest.raises(ValueError, match="target held 12, outside \\[0, 10\\)"):
+            F.cross_entropy(logits, good)
+    resolve_label_checks(wait=True)  # the queue is empty after the error

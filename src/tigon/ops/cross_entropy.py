@@ -17,7 +17,10 @@ loss of 0 and a zero gradient.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
+import threading
 
 import torch
 import triton
@@ -29,8 +32,51 @@ REDUCTIONS = ("mean", "sum", "none")
 
 # Label range check: one host sync per call (a clear error instead of a kernel reading
 # outside the row). TIGON_CHECK_LABELS=0 skips it, as does CUDA-graph capture; out-of-range
-# labels then give a NaN loss.
+# labels then give a NaN loss. Inside ``deferred_label_checks()`` (the patched HF models' loss)
+# a CUDA call does not wait: it queues the check and a later call raises once the result has
+# arrived; the call with the bad label gives a NaN loss meanwhile.
 CHECK_LABELS = os.environ.get("TIGON_CHECK_LABELS", "1") != "0"
+_DEFERRAL = threading.local()
+_PENDING_LABEL_CHECKS: collections.deque = collections.deque()
+MAX_PENDING_LABEL_CHECKS = 8  # beyond this the oldest check waits for its result
+
+
+@contextlib.contextmanager
+def deferred_label_checks():
+    """Inside the block, label checks on CUDA do not sync the host with the GPU (see above)."""
+    before = getattr(_DEFERRAL, "on", False)
+    _DEFERRAL.on = True
+    try:
+        yield
+    finally:
+        _DEFERRAL.on = before
+
+
+def resolve_label_checks(wait: bool = False) -> None:
+    """Raise for a queued label check that found a bad label: those whose result has arrived,
+    or all of them with ``wait=True``."""
+    while _PENDING_LABEL_CHECKS and (wait or _PENDING_LABEL_CHECKS[0][0].query()):
+        event, found, n_classes, ignore_index = _PENDING_LABEL_CHECKS.popleft()
+        event.synchronize()
+        if found[0]:
+            _PENDING_LABEL_CHECKS.clear()
+            raise ValueError(f"target held {int(found[1])}, outside [0, {n_classes}) and not ignore_index="
+                             f"{ignore_index}, in an earlier call (checked without waiting for the GPU; that "
+                             "call's loss was NaN)")
+
+
+def _queue_label_check(bad, target, n_classes, ignore_index):
+    resolve_label_checks()
+    lowest = torch.iinfo(torch.int64).min
+    stats = torch.stack([bad.any().to(torch.int64), torch.where(bad, target.to(torch.int64), lowest).max()])
+    found = torch.empty(2, dtype=torch.int64, pin_memory=True)
+    found.copy_(stats, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    _PENDING_LABEL_CHECKS.append((event, found, n_classes, ignore_index))
+    if len(_PENDING_LABEL_CHECKS) > MAX_PENDING_LABEL_CHECKS:
+        _PENDING_LABEL_CHECKS[0][0].synchronize()
+        resolve_label_checks()
 
 
 @triton.jit
@@ -230,7 +276,9 @@ def check_cross_entropy_options(target, n_rows, n_classes, weight, reduction, la
         raise ValueError(f"softcap must be positive or None, got {softcap}")
     if CHECK_LABELS and target.numel() and not capturing():
         bad = ((target < 0) & (target != ignore_index)) | (target >= n_classes)
-        if bool(bad.any()):
+        if target.is_cuda and getattr(_DEFERRAL, "on", False):
+            _queue_label_check(bad, target, n_classes, ignore_index)
+        elif bool(bad.any()):
             first = target[bad][0].item()
             raise ValueError(f"target holds {first}, outside [0, {n_classes}) and not ignore_index={ignore_index} "
                              "(set TIGON_CHECK_LABELS=0 to skip this check, which syncs with the GPU)")

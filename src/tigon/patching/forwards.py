@@ -17,6 +17,7 @@ from torch import nn
 from tigon import functional as TF
 from tigon.ops import GLUDownProjFunction, GLUFunction, GLUMLPFunction, TiedGradSlot
 from tigon.ops._common import under_checkpoint
+from tigon.ops.cross_entropy import deferred_label_checks
 
 
 def _eager(fn):
@@ -30,8 +31,18 @@ _rope = _eager(TF.apply_rotary_pos_emb)
 _glu = _eager(GLUFunction.apply)
 _glu_down = _eager(GLUDownProjFunction.apply)
 _glu_mlp = _eager(GLUMLPFunction.apply)
-_flce = _eager(TF.fused_linear_cross_entropy)
-_cross_entropy = _eager(TF.cross_entropy)
+def _deferring_label_checks(fn):
+    """fn with its label checks queued instead of syncing the host each step (a bad label
+    raises at a later step; see tigon.ops.cross_entropy)."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with deferred_label_checks():
+            return fn(*args, **kwargs)
+    return call
+
+
+_flce = _eager(_deferring_label_checks(TF.fused_linear_cross_entropy))
+_cross_entropy = _eager(_deferring_label_checks(TF.cross_entropy))
 _embedding = _eager(TF.embedding)
 
 
