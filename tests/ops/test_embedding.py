@@ -115,12 +115,17 @@ def test_tied_embedding_and_flce_match_torch(dtype, reduction):
     assert offered and all(offered), "the head did not hand its gradient to the embedding"
 
 
-def test_tied_gradient_is_one_buffer_and_accumulates():
-    vocab, hidden = 97, 16
-    ids = make_ids(vocab, (2, 21))
+def tied_case(vocab, hidden, ids_shape, mix_requires_grad=True):
+    """(ids, target, tied weight, mix) in fp32 for the tiny tied LM."""
+    ids = make_ids(vocab, ids_shape)
     target = make_target(ids.numel(), vocab).view(ids.shape)
     w = randn((vocab, hidden), torch.float32, scale=0.5, requires_grad=True)
-    mix = randn((hidden, hidden), torch.float32, scale=hidden**-0.5, requires_grad=True)
+    mix = randn((hidden, hidden), torch.float32, scale=hidden**-0.5, requires_grad=mix_requires_grad)
+    return ids, target, w, mix
+
+
+def test_tied_gradient_is_one_buffer_and_accumulates():
+    ids, target, w, mix = tied_case(97, 16, (2, 21))
     w64, mix64 = (t.detach().double().requires_grad_(True) for t in (w, mix))
     for step in range(2):  # the second backward accumulates into .grad
         slot = SpySlot()
@@ -134,11 +139,7 @@ def test_tied_gradient_is_one_buffer_and_accumulates():
 
 
 def test_tied_gradient_with_another_use_of_the_weight():
-    vocab, hidden = 53, 12
-    ids = make_ids(vocab, (2, 19))
-    target = make_target(ids.numel(), vocab).view(ids.shape)
-    w = randn((vocab, hidden), torch.float32, scale=0.5, requires_grad=True)
-    mix = randn((hidden, hidden), torch.float32, scale=hidden**-0.5)
+    ids, target, w, mix = tied_case(53, 12, (2, 19), mix_requires_grad=False)
     w64 = w.detach().double().requires_grad_(True)
     (tied_lm(ids, w, mix, target, SpySlot()) + 0.3 * w.square().sum()).backward()
     (ref_tied_lm(ids, w64, mix.double(), target) + 0.3 * w64.square().sum()).backward()
@@ -146,11 +147,7 @@ def test_tied_gradient_with_another_use_of_the_weight():
 
 
 def test_tied_slot_falls_back_when_the_embedding_does_not_run_backward():
-    vocab, hidden = 53, 12
-    ids = make_ids(vocab, (2, 19))
-    target = make_target(ids.numel(), vocab).view(ids.shape)
-    w = randn((vocab, hidden), torch.float32, scale=0.5, requires_grad=True)
-    mix = randn((hidden, hidden), torch.float32, scale=hidden**-0.5, requires_grad=True)
+    ids, target, w, mix = tied_case(53, 12, (2, 19))
     # Gradient for mix only: the embedding's node is not on the path, the head keeps its gradient.
     slot = SpySlot()
     (g_mix,) = torch.autograd.grad(tied_lm(ids, w, mix, target, slot), [mix])
