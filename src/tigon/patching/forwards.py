@@ -31,6 +31,7 @@ _rope = _eager(TF.apply_rotary_pos_emb)
 _glu = _eager(GLUFunction.apply)
 _glu_down = _eager(GLUDownProjFunction.apply)
 _glu_mlp = _eager(GLUMLPFunction.apply)
+_under_checkpoint = _eager(under_checkpoint)  # reads autograd's hook stack: not for tracing
 def _deferring_label_checks(fn):
     """fn with its label checks queued instead of syncing the host each step (a bad label
     raises at a later step; see tigon.ops.cross_entropy)."""
@@ -125,7 +126,7 @@ def make_mlp_forward(layout: str, recompute_under_checkpoint: bool = False):
     if layout == "gate_up_down":
         def forward(self, x):
             if (recompute_under_checkpoint and torch.is_grad_enabled() and _plain_linear(self.gate_proj)
-                    and _plain_linear(self.up_proj) and _plain_linear(self.down_proj) and under_checkpoint()):
+                    and _plain_linear(self.up_proj) and _plain_linear(self.down_proj) and _under_checkpoint()):
                 # Under gradient checkpointing: keep only x, recompute gate / up in the backward.
                 return _glu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
                                 mlp_activation(self))
