@@ -3,23 +3,11 @@ negligible and the time is what the host spends (Python checks, Triton launches,
 next to the same computation in eager torch. CUDA only:
 ``PYTHONPATH=src python benchmarks/host_overhead.py``."""
 
-import time
-
 import torch
 import torch.nn.functional as F
 
 import tigon.functional as TF
-
-
-def per_call_us(fn, n=300):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / n * 1e6
+from tigon.bench.harness import host_us_per_call
 
 
 def fwd_bwd(op, *inputs):
@@ -57,8 +45,8 @@ def main():
 
     cases = [
         ("rms_norm", fwd_bwd(lambda: TF.rms_norm(x, w)), fwd_bwd(lambda: rms_ref(x, w))),
-        ("rope", fwd_bwd(lambda: sum(TF.apply_rotary_pos_emb(q, k, cos, sin)[i].sum() for i in (0, 1))),
-         fwd_bwd(lambda: (q * cos[:, None] + rot(q) * sin[:, None]).sum() + (k * cos[:, None] + rot(k) * sin[:, None]).sum())),
+        ("rope", fwd_bwd(lambda: sum(t.sum() for t in TF.apply_rotary_pos_emb(q, k, cos, sin))),
+         fwd_bwd(lambda: sum((t * cos[:, None] + rot(t) * sin[:, None]).sum() for t in (q, k)))),
         ("swiglu", fwd_bwd(lambda: TF.swiglu(a, b)), fwd_bwd(lambda: F.silu(a) * b)),
         ("glu_down_proj", fwd_bwd(lambda: TF.glu_down_proj(a * 1, b * 1, wd, reuse_inputs=True)),
          fwd_bwd(lambda: F.linear(F.silu(a) * b, wd))),
@@ -70,7 +58,7 @@ def main():
     ]
     print(f"host cost per forward+backward call, tiny tensors ({tokens} tokens), microseconds")
     for name, ours, eager in cases:
-        print(f"  {name:14s} tigon {per_call_us(ours):7.1f}   eager torch {per_call_us(eager):7.1f}", flush=True)
+        print(f"  {name:14s} tigon {host_us_per_call(ours):7.1f}   eager torch {host_us_per_call(eager):7.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -128,7 +128,6 @@ class OpProbe:
         def run(ctx, *args):
             torch.cuda.synchronize()
             entry = torch.cuda.memory_allocated()
-            outer_peak = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             out = original(ctx, *args)
             torch.cuda.synchronize()

@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 import torch
 import triton
 from triton.testing import do_bench
 
+from tigon.bench.harness import host_us_per_call
 from tigon.ops import glu as glu_ops
 from tigon.ops import rope as rope_ops
 from tigon.ops.layer_norm import layer_norm_backward_kernel, layer_norm_forward_kernel
@@ -140,16 +140,6 @@ def host_overhead(results):
     k = torch.randn(1, 8, 16, 128, device="cuda", dtype=DT, requires_grad=True)
     cos = torch.randn(1, 16, 128, device="cuda", dtype=DT)
 
-    def per_call(fn, n=300):
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / n * 1e6
-
     def rms_fwd_bwd():
         F.rms_norm(x, w).backward(g)
 
@@ -177,7 +167,7 @@ def host_overhead(results):
     except ImportError:
         pass
     for name, fn in probes.items():
-        results.append(dict(kernel="host", probe=name, us=per_call(fn)))
+        results.append(dict(kernel="host", probe=name, us=host_us_per_call(fn)))
 
 
 def summarize(results):

@@ -180,6 +180,21 @@ def measure_limits(device="cuda") -> dict:
     }
 
 
+def host_us_per_call(fn: Callable, n: int = 300, warmup: int = 20) -> float:
+    """Microseconds per call of ``fn`` over ``n`` calls, synchronizing only at the ends: on tiny
+    tensors this is the host's cost (Python, launches), not the GPU's."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / n * 1e6
+
+
 def gpu_ms(row: Row) -> float | None:
     """GPU time of fwd+bwd: the CUDA-graph replay, else the eager-dispatch time."""
     return row.graph_ms or row.full_ms

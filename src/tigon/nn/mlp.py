@@ -5,9 +5,8 @@ MLPs do."""
 
 from __future__ import annotations
 
-from torch import nn
-
 import torch
+from torch import nn
 
 from tigon.ops import GLUDownProjFunction, GLUMLPFunction
 from tigon.ops._common import under_checkpoint

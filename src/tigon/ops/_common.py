@@ -111,6 +111,18 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return x2
 
 
+def matmul_dtype(x: torch.Tensor, **weights) -> torch.dtype:
+    """The dtype an op's matmuls run in: autocast's when it is on, else x's, which each of
+    ``weights`` must then share (as F.linear requires)."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    for name, w in weights.items():
+        if w is not None and w.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {w.dtype} but the input has {x.dtype} (and autocast is off)")
+    return x.dtype
+
+
 def accumulate_mm(acc, a, b, first=False):
     """acc += a @ b (acc = a @ b when first), with fp32 accumulation inside the matmul; acc may
     be fp32 for bf16 a, b (then it starts zeroed)."""

@@ -8,8 +8,10 @@ saving one [tokens, I] activation per MLP layer.
 The forward walks the rows in slices (c_r = act(a_r) * b_r, out_r = c_r @ W^T), so c is never
 whole: under gradient checkpointing this forward runs again inside the backward, where a full
 [tokens, I] c on top of the saved a and b was a layer's memory peak. Each output row is still
-one matmul over all of I (no extra rounding). The backward walks the I columns in slices: dc_j = dout @ W[:, j], c_j, dW[:, j] =
-dout^T c_j, then da_j / db_j. Its transient memory is two [tokens, I / n_slices] buffers, not
+one matmul over all of I (no extra rounding).
+
+The backward walks the I columns in slices: dc_j = dout @ W[:, j], c_j, dW[:, j] = dout^T c_j,
+then da_j / db_j. Its transient memory is two [tokens, I / n_slices] buffers, not
 two [tokens, I]. With reuse_inputs=True, da and db are written over a and b (dead after their
 slice is read), so the backward allocates nothing of [tokens, I]; a and b must then be
 intermediates nothing else reads (as in an MLP), and the backward can run only once.
@@ -20,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tigon.ops._common import as_rows, check_same_device, check_tensor, new_output
+from tigon.ops._common import as_rows, check_same_device, check_tensor, matmul_dtype, new_output
 from tigon.ops.glu import check_glu_args, glu_backward, glu_forward
 
 # Columns per backward slice: slices stay large matmuls (N >= 1024) while the transient (dc_j
@@ -58,9 +60,7 @@ def glu_down_forward(a2, b2, w, bias, activation):
     if step >= n_rows:
         return F.linear(glu_forward(a2, b2, activation), w, bias)  # autocast, if on, picks the matmul dtype
     device_type = a2.device.type
-    mm = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else a2.dtype
-    if w.dtype != mm and not torch.is_autocast_enabled(device_type):
-        raise TypeError(f"down_weight has dtype {w.dtype} but a has {a2.dtype} (and autocast is off)")
+    mm = matmul_dtype(a2, down_weight=w)
     w_t = w.to(mm).t()
     bias_mm = None if bias is None else bias.to(mm)
     out = torch.empty((n_rows, w.shape[0]), dtype=mm, device=a2.device)

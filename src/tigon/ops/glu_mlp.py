@@ -29,6 +29,7 @@ from tigon.ops._common import (
     check_same_device,
     check_tensor,
     checkpoint_recompute_stops_after,
+    matmul_dtype,
 )
 from tigon.ops.glu import ACTIVATIONS, glu_backward, glu_forward
 
@@ -72,9 +73,9 @@ def check_glu_mlp_args(x, gate_weight, up_weight, down_weight, activation):
     check_same_device(x=x, gate_weight=gate_weight, up_weight=up_weight, down_weight=down_weight)
 
 
-def _matmul_dtype(x):
-    device_type = x.device.type
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+def stacked_gate_up(wg, wu, cols):
+    """[Wg_j; Wu_j] for the column slice ``cols``: x times its transpose is [gate_j | up_j]."""
+    return torch.cat([wg[cols], wu[cols]])
 
 
 class GLUMLPFunction(torch.autograd.Function):
@@ -87,16 +88,13 @@ class GLUMLPFunction(torch.autograd.Function):
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x, gate_weight, up_weight, down_weight, activation="silu", slice_columns=None):
         check_glu_mlp_args(x, gate_weight, up_weight, down_weight, activation)
-        mm = _matmul_dtype(x)
-        for name, w in (("gate_weight", gate_weight), ("up_weight", up_weight), ("down_weight", down_weight)):
-            if w.dtype != mm and not torch.is_autocast_enabled(x.device.type):
-                raise TypeError(f"{name} has dtype {w.dtype} but x has {x.dtype} (and autocast is off)")
+        mm = matmul_dtype(x, gate_weight=gate_weight, up_weight=up_weight, down_weight=down_weight)
         ctx.save_for_backward(x, gate_weight, up_weight, down_weight)
         ctx.activation = activation
         ctx.matmul_dtype = mm
         out_shape = (*x.shape[:-1], down_weight.shape[0])
         n_rows, n_cols = x.numel() // max(1, x.shape[-1]), gate_weight.shape[0]
-        ctx.slice_columns = slice_columns or mlp_slice_columns(n_rows, n_cols, torch.empty((), dtype=mm).element_size())
+        ctx.slice_columns = slice_columns or mlp_slice_columns(n_rows, n_cols, torch.finfo(mm).bits // 8)
         if checkpoint_recompute_stops_after(4):
             GLUMLPFunction.skipped_recomputes += 1
             return x.new_empty(out_shape, dtype=mm)  # checkpoint stops once the inputs above are saved
@@ -106,7 +104,7 @@ class GLUMLPFunction(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             for cols in column_slices(n_cols, ctx.slice_columns):
                 width = cols.stop - cols.start
-                ab_j = x2 @ torch.cat([wg[cols], wu[cols]]).t()  # [gate_j | up_j]: one matmul
+                ab_j = x2 @ stacked_gate_up(wg, wu, cols).t()  # [gate_j | up_j]: one matmul
                 glu_forward(ab_j[:, :width], ab_j[:, width:], activation, out=c[:, cols])
                 del ab_j
             out = c @ wd.t()
@@ -121,7 +119,7 @@ class GLUMLPFunction(torch.autograd.Function):
         x2 = as_rows(x).to(mm)
         dout2 = as_rows(dout).to(mm)
         wg, wu, wd = gate_weight.to(mm), up_weight.to(mm), down_weight.to(mm)
-        n_rows, n_cols = x2.shape[0], wg.shape[0]
+        n_cols = wg.shape[0]
         d_wg = torch.empty(wg.shape, dtype=mm, device=x.device) if need_wg else None
         d_wu = torch.empty(wu.shape, dtype=mm, device=x.device) if need_wu else None
         d_wd = torch.empty(wd.shape, dtype=mm, device=x.device) if need_wd else None
@@ -129,7 +127,7 @@ class GLUMLPFunction(torch.autograd.Function):
         need_ab = need_x or need_wg or need_wu
         for cols in column_slices(n_cols, ctx.slice_columns):
             width = cols.stop - cols.start
-            ab_j = x2 @ torch.cat([wg[cols], wu[cols]]).t()  # [gate_j | up_j], as in the forward
+            ab_j = x2 @ stacked_gate_up(wg, wu, cols).t()  # [gate_j | up_j], as in the forward
             a_j, b_j = ab_j[:, :width], ab_j[:, width:]
             c_j = glu_forward(a_j, b_j, act)
             if need_wd:
@@ -143,7 +141,7 @@ class GLUMLPFunction(torch.autograd.Function):
             if need_wu:
                 torch.mm(b_j.t(), x2, out=d_wu[cols])
             if need_x:  # da_j Wg_j + db_j Wu_j in one matmul; the stacked weights built again, not kept
-                accumulate_mm(dx, ab_j, torch.cat([wg[cols], wu[cols]]))
+                accumulate_mm(dx, ab_j, stacked_gate_up(wg, wu, cols))
             del ab_j, a_j, b_j
         if need_x:
             dx = dx.to(x.dtype).view(x.shape)

@@ -57,7 +57,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("olmo2", ("olmo2",), _m("olmo2"), "Olmo2ForCausalLM", ("Olmo2RMSNorm",), "gemma", mlps=("Olmo2MLP",),
            mlp_output_saved=True),
     Family("glm4", ("glm4",), _m("glm4"), "Glm4ForCausalLM", ("Glm4RMSNorm",), rope=None, mlps=("Glm4MLP",),
-           mlp_layout="fused_gate_up", mlp_output_saved=True, note="rope: GLM-4 rotates interleaved pairs; tigon's RoPE is half-split"),
+           mlp_layout="fused_gate_up", mlp_output_saved=True,
+           note="rope: GLM-4 rotates interleaved pairs; tigon's RoPE is half-split"),
     # Further families with the same pieces (each one is a row here and a convergence test).
     Family("ministral", ("ministral",), _m("ministral"), "MinistralForCausalLM", ("MinistralRMSNorm",),
            mlps=("MinistralMLP",)),

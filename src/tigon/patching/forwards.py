@@ -32,6 +32,8 @@ _glu = _eager(GLUFunction.apply)
 _glu_down = _eager(GLUDownProjFunction.apply)
 _glu_mlp = _eager(GLUMLPFunction.apply)
 _under_checkpoint = _eager(under_checkpoint)  # reads autograd's hook stack: not for tracing
+
+
 def _deferring_label_checks(fn):
     """fn with its label checks queued instead of syncing the host each step (a bad label
     raises at a later step; see tigon.ops.cross_entropy)."""
