@@ -12,17 +12,39 @@ from torch.profiler import ProfilerActivity, profile
 from train_hf import SHAPES, build_model  # benchmarks/ must be on sys.path
 
 
+def print_cprofile(step, top):
+    """One step under cProfile: the functions with the most own time, and tigon's by total."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    step()
+    torch.cuda.synchronize()
+    prof.disable()
+    for sort, restrict in (("tottime", [top]), ("cumulative", [top]), ("cumulative", ["tigon/", top])):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(sort).print_stats(*restrict)
+        text = "\n".join(line for line in buf.getvalue().splitlines() if line.strip())
+        print(text.replace("/usr/local/lib/python3", "").replace("site-packages/", ""), flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="qwen2.5-0.5b", choices=list(SHAPES))
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--cprofile", type=int, default=0,
+                   help="also print the top N Python functions of one step by own time (cProfile)")
+    p.add_argument("--impls", default="hf,tigon")
+    p.add_argument("--no-torch-profile", action="store_true", help="skip torch.profiler (timing and cProfile only)")
     args = p.parse_args()
     import tigon
 
     model_type, kw = SHAPES[args.shape]
-    for impl in ("hf", "tigon"):
+    for impl in args.impls.split(","):
         torch.manual_seed(0)
         model, _ = build_model(model_type, kw, impl)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -49,6 +71,18 @@ def main():
                 syncs[str(w.message)[:60] + " @ " + f"{w.filename.split('/')[-1]}:{w.lineno}"] += 1
         print(f"{impl}: {sum(syncs.values())} host syncs in one step: {dict(syncs)}", flush=True)
         torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        print(f"{impl}: unprofiled wall {(time.perf_counter() - start) / 5 * 1e3:.1f} ms/step", flush=True)
+        if args.cprofile:
+            print_cprofile(step, args.cprofile)
+        if args.no_torch_profile:
+            model = opt = None
+            torch.cuda.empty_cache()
+            tigon.unpatch()
+            continue
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()
             for _ in range(2):
@@ -64,7 +98,7 @@ def main():
         except Exception:
             table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.top)
         print("\n".join(table.splitlines()[: args.top + 4]), flush=True)
-        del model, opt
+        model = opt = None
         torch.cuda.empty_cache()
         tigon.unpatch()
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device call for issue 4's memory target: GPU tests of the tied-embedding path, the Llama-1B
 # peak broken down by the allocator trace (MLP slices as given), and the HF vs tigon training run.
-# Usage (device machine, repo root, carry .whl): OUT=/some/dir bash scripts/gpu_issue4.sh [tests|trace|train|all|sweep|shapes] [slice MiB...]
+# Usage (device machine, repo root, carry .whl): OUT=/some/dir bash scripts/gpu_issue4.sh [tests|trace|train|all|sweep|shapes|profile|labelsync|host] [slice MiB...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PART=${1:-all}
@@ -56,5 +56,53 @@ if [ "$PART" = shapes ]; then
     timeout 200 python3 benchmarks/train_hf.py --shape $shape --batches 8 16 --impls hf,tigon,liger --steps 6 \
       --warmup 2 --out "$OUT" 2>&1 | grep -v -i "warn\|backend impl" | tee "$OUT/sweep_$shape.log" || status=1
   done
+fi
+if [ "$PART" = hostbound ]; then  # GPU idle time per step (waiting on the host), HF vs tigon
+  timeout 100 python3 benchmarks/host_overhead.py 2>&1 | tee "$OUT/host_overhead.log" || status=1
+  timeout 300 python3 benchmarks/host_bound.py --shape llama-1b 2>&1 | grep -v -i "warn\|backend impl" | tee "$OUT/host_bound_llama-1b.log" || status=1
+  timeout 200 python3 benchmarks/host_bound.py --shape qwen2.5-0.5b 2>&1 | grep -v -i "warn\|backend impl" | tee "$OUT/host_bound_qwen.log" || status=1
+fi
+if [ "$PART" = round ]; then  # after a host-cost change: GPU tests of the touched ops, host cost, GPU idle, the issue's run
+  timeout 200 python3 -m pytest -q --gpu -p no:cacheprovider tests/ops/test_glu_mlp.py tests/ops/test_rope.py \
+    tests/ops/test_rms_norm.py tests/ops/test_fused_linear_cross_entropy.py tests/ops/test_glu.py tests/nn \
+    tests/integration/test_patching.py -k "not family_trains_like_hf" 2>&1 | grep -v -i "warn" | tail -25 | tee "$OUT/gpu_tests.log" || status=1
+  timeout 100 python3 benchmarks/host_overhead.py 2>&1 | tee "$OUT/host_overhead.log" || status=1
+  for shape in llama-1b qwen2.5-0.5b; do
+    timeout 200 python3 benchmarks/host_bound.py --shape $shape 2>&1 | grep -v -i "warn\|backend impl" | tee "$OUT/host_bound_$shape.log" || status=1
+  done
+  timeout 200 python3 benchmarks/train_hf.py --shape llama-1b --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/train_llama-1b.log" || status=1
+fi
+if [ "$PART" = ab ]; then  # the issue's run, this tree's tigon vs an older one (baseline/src, carried), same machine
+  timeout 150 python3 -m pytest -q --gpu -p no:cacheprovider tests/ops/test_glu_mlp.py tests/ops/test_rope.py \
+    tests/ops/test_fused_linear_cross_entropy.py tests/nn tests/integration/test_patching.py \
+    -k "not family_trains_like_hf" 2>&1 | grep -E "passed|failed|Error|error" | tail -25 | tee "$OUT/gpu_tests.log" || status=1
+  for run in 1 2; do
+    timeout 100 python3 benchmarks/train_hf.py --shape llama-1b --impls hf,tigon --out "$OUT/new$run" 2>&1 | grep "batch 8\|/ hf" | tee -a "$OUT/ab.log"
+    PYTHONPATH=$PWD/baseline/src:$PYTHONPATH timeout 100 python3 benchmarks/train_hf.py --shape llama-1b --impls tigon \
+      --out "$OUT/base$run" 2>&1 | grep "batch 8" | sed 's/^tigon /base  /' | tee -a "$OUT/ab.log"
+  done
+fi
+if [ "$PART" = round2 ]; then  # GPU tests of the touched code, launch costs, the issue's run vs baseline/src, Qwen b8
+  timeout 250 python3 -m pytest -q --gpu -p no:cacheprovider -x tests/ops/test_glu_mlp.py tests/ops/test_rope.py \
+    tests/ops/test_rms_norm.py tests/ops/test_fused_linear_cross_entropy.py tests/nn tests/integration/test_patching.py \
+    -k "not family_trains_like_hf" 2>&1 | grep -E "passed|failed|Error|error" | tail -25 | tee "$OUT/gpu_tests.log"
+  timeout 60 python3 benchmarks/host_overhead.py 2>&1 | tee "$OUT/host_overhead.log" || status=1
+  timeout 100 python3 benchmarks/train_hf.py --shape llama-1b --impls hf,tigon --out "$OUT/new" 2>&1 | grep "batch 8\|/ hf" | tee -a "$OUT/ab.log"
+  PYTHONPATH=$PWD/baseline/src:$PYTHONPATH timeout 80 python3 benchmarks/train_hf.py --shape llama-1b --impls tigon \
+    --out "$OUT/base" 2>&1 | grep "batch 8" | sed 's/^tigon /base  /' | tee -a "$OUT/ab.log"
+  timeout 100 python3 benchmarks/train_hf.py --shape qwen2.5-0.5b --impls hf,tigon --out "$OUT/qwen" 2>&1 | grep "batch 8\|/ hf" | tee -a "$OUT/ab.log"
+fi
+if [ "$PART" = hostprof ]; then  # cProfile of one tigon step at the issue's batch
+  for shape in qwen2.5-0.5b llama-1b; do
+    timeout 200 python3 benchmarks/profile_step.py --shape $shape --impls tigon --cprofile 60 --no-torch-profile 2>&1 \
+      | grep -v -i "warn\|backend impl" > "$OUT/cprofile_$shape.log" || status=1
+  done
+  tail -c 3000 "$OUT/cprofile_llama-1b.log"
+fi
+if [ "$PART" = host ]; then  # where the host time of a step goes (tiny batch: wall ~ host time)
+  timeout 150 python3 benchmarks/host_overhead.py --profile 2>&1 | tee "$OUT/host_overhead.log" || status=1
+  timeout 200 python3 benchmarks/profile_step.py --shape llama-1b --batch 1 --seq 128 --cprofile 45 --no-torch-profile 2>&1 \
+    | grep -v -i "warn\|backend impl" | tee "$OUT/host_step_llama-1b_b1.log" || status=1
+  timeout 200 python3 benchmarks/train_hf.py --shape llama-1b --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/train_llama-1b.log" || status=1
 fi
 exit $status

@@ -216,7 +216,7 @@ def test_unknown_family_is_patched_by_structure():
 def test_auto_model_returns_a_patched_model():
     config = AutoConfig.for_model("qwen3", **SIZE)
     model = tigon.AutoModelForCausalLM.from_config(config, rope=False)
-    assert model.tigon_report.pieces() == {"rms_norm", "swiglu", "loss"}
+    assert model.tigon_report.pieces() == {"rms_norm", "swiglu", "loss", "packed_check"}
     assert "forward" in model.model.norm.__dict__
 
 
@@ -404,3 +404,33 @@ def test_gradient_checkpointing_uses_the_recomputing_mlp(model_type):
     recomputing = not tigon.patching.BY_MODEL_TYPE[model_type].mlp_output_saved
     assert GLUMLPFunction.skipped_recomputes - skipped == STEPS * model.config.num_hidden_layers * recomputing
     assert_same_training(ref, ours)
+
+
+def test_packed_sequence_check_skipped_only_on_generated_positions(monkeypatch):
+    """HF's packed-sequence check (a host sync each forward) is skipped while a patched model
+    trains on positions HF generates (a plain arange), and still runs on given position_ids:
+    packed sequences train as in HF."""
+    from transformers import masking_utils
+
+    calls = []
+    original = masking_utils.find_packed_sequence_indices
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda p: calls.append(1) or original(p))
+    model = tiny_model("llama")
+    patched = copy.deepcopy(model)
+    ids, labels = batch(model.config.vocab_size)
+    # Two packed sequences per row: positions restart at SEQ // 2.
+    packed = torch.arange(SEQ, device=ids.device).remainder(SEQ // 2).expand(BATCH, SEQ)
+    # use_cache=False as under gradient checkpointing: with a cache HF does not check.
+    ref = train(model, ids, labels, steps=1, position_ids=packed, use_cache=False)
+    ref_calls = len(calls)
+    assert ref_calls > 0
+    report = tigon.patch(patched)
+    assert "packed_check" in report.pieces()
+    patched.train()
+    patched(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+    assert len(calls) == ref_calls  # generated positions: skipped
+    ours = train(patched, ids, labels, steps=1, position_ids=packed, use_cache=False)
+    assert len(calls) > ref_calls  # given positions: checked
+    assert_same_training(ref, ours)
+    tigon.unpatch()
+    assert masking_utils.find_packed_sequence_indices.__name__ == "<lambda>"  # the spy, restored

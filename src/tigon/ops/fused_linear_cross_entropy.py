@@ -59,9 +59,8 @@ def flce_chunks(x2, w, bias, target, norms, opts, *, need_dx, need_dw, need_db, 
     dw = None
     if need_dw:
         dw_dtype = accum_dtype or w.dtype
-        # The first chunk's matmul writes dW outright when it is in the matmul's dtype.
-        first_writes = n_rows > 0 and dw_dtype == x2.dtype
-        dw = (new_output if first_writes else torch.zeros)(w.shape, dtype=dw_dtype, device=device)
+        # The first chunk's matmul writes dW outright (no zero fill).
+        dw = (new_output if n_rows > 0 else torch.zeros)(w.shape, dtype=dw_dtype, device=device)
     db = torch.zeros(vocab, dtype=torch.float32, device=device) if need_db else None
     loss_parts, z_parts, correct_parts = [], [], []
     logits_buf = torch.empty((min(chunk_rows, n_rows), vocab), dtype=x2.dtype, device=device)

@@ -5,18 +5,19 @@ layers under gradient checkpointing (torch.utils.checkpoint, non-reentrant), whe
 forward runs twice anyway:
 
 - Nothing of size [tokens, I] is saved. The backward recomputes gate and up one column slice of
-  I at a time ([a_j | b_j] = x [Wg_j; Wu_j]^T, one matmul), and from them c_j, dW_down[:, j],
-  dc_j, da_j / db_j (written over a_j / b_j), dW_gate[j], dW_up[j] and dx += [da_j | db_j]
-  [Wg_j; Wu_j] (one matmul, fp32 accumulation). Its transient memory is three [tokens, slice]
+  I at a time (into one [a_j | b_j] buffer), and from them c_j, dW_down[:, j], dc_j, da_j / db_j
+  (written over a_j / b_j), dW_gate[j], dW_up[j] and dx += da_j Wg_j + db_j Wu_j (fp32
+  accumulation). Its transient memory is three [tokens, slice]
   buffers and an fp32 dx, instead of the two [tokens, I] activations (gate and up) that an MLP
   keeps for its backward.
 - In checkpoint's recomputation, when saving this op's inputs is the last thing the recompute
   needs (checkpoint's early stop: the MLP is the last op of a Llama-style layer that saves
   anything), the forward skips its three matmuls: its output is never read.
 
-Per layer under checkpointing this is 11 matmuls (3 forward, 8 backward) where an MLP that keeps
-gate and up does 12 (3 forward, 3 again in the recompute, 6 backward). The forward computes gate
-and up in the same column slices as the backward, so the recomputed values are bit-identical.
+Per layer under checkpointing this is the FLOPs of 11 matmuls (3 forward, 8 backward) where an
+MLP that keeps gate and up does 12 (3 forward, 3 again in the recompute, 6 backward). The forward
+runs in wider slices than the backward (it is not at the memory peak), so the recomputed gate and
+up may differ from the forward's in the last bit, as with any recomputation.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tigon.ops._common import (
     check_tensor,
     checkpoint_recompute_stops_after,
     matmul_dtype,
+    new_output,
 )
 from tigon.ops.glu import ACTIVATIONS, glu_backward, glu_forward
 
@@ -39,6 +41,10 @@ from tigon.ops.glu import ACTIVATIONS, glu_backward, glu_forward
 # (256 MiB) for the path that keeps gate and up. Below 32 MiB the fp32 dx, read and written once
 # per slice, and the narrower matmuls cost more than they save.
 SLICE_BUDGET_BYTES = 32 * 2**20
+# The forward runs before the peak (the end of the backward, when the gradients exist), so its
+# slices are 4x wider: at 8192 tokens of a Llama-1B MLP, one slice instead of four, 4 host calls
+# instead of 13 (the forward of a checkpointed step is host-bound on slow hosts).
+FORWARD_SLICE_BUDGET_BYTES = 128 * 2**20
 # Narrower slices than this cost more than they save: more matmuls, and the fp32 dx read and
 # written once more per slice (with 512- and 256-column slices a Llama-1B step at batch 32 and
 # 64 x 1024 ran 11% and 28% slower than with the MLP that keeps gate and up).
@@ -73,13 +79,23 @@ def check_glu_mlp_args(x, gate_weight, up_weight, down_weight, activation):
     check_same_device(x=x, gate_weight=gate_weight, up_weight=up_weight, down_weight=down_weight)
 
 
-def stacked_gate_up(wg, wu, cols):
-    """[Wg_j; Wu_j] for the column slice ``cols``: x times its transpose is [gate_j | up_j]."""
-    return torch.cat([wg[cols], wu[cols]])
+def _as(t, dtype):
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def gate_up_slice(x2, wg, wu, cols, out=None):
+    """[gate_j | up_j] = [x Wg_j^T | x Wu_j^T] for the column slice ``cols``, as one [rows, 2w]
+    buffer written by two matmuls (no stacked copy of the weights)."""
+    width = cols.stop - cols.start
+    if out is None:
+        out = torch.empty((x2.shape[0], 2 * width), dtype=x2.dtype, device=x2.device)
+    torch.mm(x2, wg[cols].t(), out=out[:, :width])
+    torch.mm(x2, wu[cols].t(), out=out[:, width:])
+    return out
 
 
 class GLUMLPFunction(torch.autograd.Function):
-    """out = (act(x Wg^T) * (x Wu^T)) Wd^T, saving (x, Wg, Wu, Wd) only; see the module docstring."""
+    """out = (act(x Wg^T) * (x Wu^T)) Wd^T, saving x only; see the module docstring."""
 
     # Recomputations skipped since import (a counter for tests and benchmarks).
     skipped_recomputes = 0
@@ -89,23 +105,26 @@ class GLUMLPFunction(torch.autograd.Function):
     def forward(ctx, x, gate_weight, up_weight, down_weight, activation="silu", slice_columns=None):
         check_glu_mlp_args(x, gate_weight, up_weight, down_weight, activation)
         mm = matmul_dtype(x, gate_weight=gate_weight, up_weight=up_weight, down_weight=down_weight)
-        ctx.save_for_backward(x, gate_weight, up_weight, down_weight)
+        ctx.save_for_backward(x)
+        ctx.weights = (gate_weight, up_weight, down_weight)  # kept, not saved (see the note in tigon.ops._common)
         ctx.activation = activation
         ctx.matmul_dtype = mm
         out_shape = (*x.shape[:-1], down_weight.shape[0])
         n_rows, n_cols = x.numel() // max(1, x.shape[-1]), gate_weight.shape[0]
-        ctx.slice_columns = slice_columns or mlp_slice_columns(n_rows, n_cols, torch.finfo(mm).bits // 8)
-        if checkpoint_recompute_stops_after(4):
+        element_size = torch.finfo(mm).bits // 8
+        ctx.slice_columns = slice_columns or mlp_slice_columns(n_rows, n_cols, element_size)
+        if checkpoint_recompute_stops_after(1):
             GLUMLPFunction.skipped_recomputes += 1
-            return x.new_empty(out_shape, dtype=mm)  # checkpoint stops once the inputs above are saved
-        x2 = as_rows(x).to(mm)
-        wg, wu, wd = gate_weight.to(mm), up_weight.to(mm), down_weight.to(mm)
+            return x.new_empty(out_shape, dtype=mm)  # checkpoint stops once x is saved (above)
+        x2 = _as(as_rows(x), mm)
+        wg, wu, wd = _as(gate_weight, mm), _as(up_weight, mm), _as(down_weight, mm)
+        width = slice_columns or mlp_slice_columns(n_rows, n_cols, element_size, FORWARD_SLICE_BUDGET_BYTES)
         c = torch.empty((n_rows, n_cols), dtype=mm, device=x.device)
         with torch.autocast(x.device.type, enabled=False):
-            for cols in column_slices(n_cols, ctx.slice_columns):
-                width = cols.stop - cols.start
-                ab_j = x2 @ stacked_gate_up(wg, wu, cols).t()  # [gate_j | up_j]: one matmul
-                glu_forward(ab_j[:, :width], ab_j[:, width:], activation, out=c[:, cols])
+            for cols in column_slices(n_cols, width):
+                ab_j = gate_up_slice(x2, wg, wu, cols)
+                w = cols.stop - cols.start
+                glu_forward(ab_j[:, :w], ab_j[:, w:], activation, out=c[:, cols])
                 del ab_j
             out = c @ wd.t()
         return out.view(out_shape)
@@ -113,21 +132,22 @@ class GLUMLPFunction(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dout):
-        x, gate_weight, up_weight, down_weight = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
+        gate_weight, up_weight, down_weight = ctx.weights
         need_x, need_wg, need_wu, need_wd = ctx.needs_input_grad[:4]
         mm, act = ctx.matmul_dtype, ctx.activation
-        x2 = as_rows(x).to(mm)
-        dout2 = as_rows(dout).to(mm)
-        wg, wu, wd = gate_weight.to(mm), up_weight.to(mm), down_weight.to(mm)
+        x2 = _as(as_rows(x), mm)
+        dout2 = _as(as_rows(dout), mm)
+        wg, wu, wd = _as(gate_weight, mm), _as(up_weight, mm), _as(down_weight, mm)
         n_cols = wg.shape[0]
         d_wg = torch.empty(wg.shape, dtype=mm, device=x.device) if need_wg else None
         d_wu = torch.empty(wu.shape, dtype=mm, device=x.device) if need_wu else None
         d_wd = torch.empty(wd.shape, dtype=mm, device=x.device) if need_wd else None
-        dx = torch.zeros(x2.shape, dtype=torch.float32, device=x.device) if need_x else None
+        dx = new_output(x2.shape, torch.float32, x.device) if need_x else None  # the first slice writes it
         need_ab = need_x or need_wg or need_wu
-        for cols in column_slices(n_cols, ctx.slice_columns):
+        for i, cols in enumerate(column_slices(n_cols, ctx.slice_columns)):
             width = cols.stop - cols.start
-            ab_j = x2 @ stacked_gate_up(wg, wu, cols).t()  # [gate_j | up_j], as in the forward
+            ab_j = gate_up_slice(x2, wg, wu, cols)  # [gate_j | up_j], as in the forward
             a_j, b_j = ab_j[:, :width], ab_j[:, width:]
             c_j = glu_forward(a_j, b_j, act)
             if need_wd:
@@ -140,11 +160,12 @@ class GLUMLPFunction(torch.autograd.Function):
                 torch.mm(a_j.t(), x2, out=d_wg[cols])
             if need_wu:
                 torch.mm(b_j.t(), x2, out=d_wu[cols])
-            if need_x:  # da_j Wg_j + db_j Wu_j in one matmul; the stacked weights built again, not kept
-                accumulate_mm(dx, ab_j, stacked_gate_up(wg, wu, cols))
+            if need_x:  # dx += da_j Wg_j + db_j Wu_j, accumulated in fp32
+                accumulate_mm(dx, a_j, wg[cols], first=i == 0)
+                accumulate_mm(dx, b_j, wu[cols])
             del ab_j, a_j, b_j
         if need_x:
             dx = dx.to(x.dtype).view(x.shape)
-        grads = [(g.to(w.dtype) if g is not None else None)
+        grads = [(_as(g, w.dtype) if g is not None else None)
                  for g, w in ((d_wg, gate_weight), (d_wu, up_weight), (d_wd, down_weight))]
         return (dx, *grads, None, None)

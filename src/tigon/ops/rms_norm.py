@@ -169,13 +169,15 @@ class RMSNormFunction(torch.autograd.Function):
         check_norm_args(x, weight, casting)
         x2 = as_rows(x)
         y, rstd, _ = rms_norm_forward(x2, weight, float(eps), float(offset), casting)
-        ctx.save_for_backward(x2, weight, rstd)
+        ctx.save_for_backward(x2, rstd)
+        ctx.weight = weight  # a parameter: kept, not saved (see the note in tigon.ops._common)
         ctx.offset, ctx.casting, ctx.in_place = float(offset), casting, in_place
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
-        x2, weight, rstd = ctx.saved_tensors
+        x2, rstd = ctx.saved_tensors
+        weight = ctx.weight
         dy2 = as_rows(dy)
         dx, dw = rms_norm_backward(
             dy2, x2, weight, rstd, ctx.offset, ctx.casting,

@@ -108,9 +108,9 @@ def _unit_last_stride(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def rope_apply(q, k, cos, sin, position_ids, unsqueeze_dim, backward, num_warps=None, out_layouts=None):
-    """Launch the kernel on checked inputs; returns new (q_out, k_out) with q's and k's layouts,
-    or with the layouts of out_layouts (two tensors, e.g. on the meta device) when given."""
+def rope_apply(q, k, cos, sin, position_ids, unsqueeze_dim, backward, num_warps=None, out_strides=None):
+    """Launch the kernel on checked inputs; returns new (q_out, k_out) in q's and k's layouts,
+    or with ``out_strides`` (two dense_strides results) when given."""
     q, k = _unit_last_stride(q), _unit_last_stride(k)
     h_axis, t_axis = (1, 2) if unsqueeze_dim == 1 else (2, 1)
     batch, seq_len, head_dim = q.shape[0], q.shape[t_axis], q.shape[3]
@@ -123,10 +123,9 @@ def rope_apply(q, k, cos, sin, position_ids, unsqueeze_dim, backward, num_warps=
     # A cos of batch 1 is shared by every sequence: batch stride 0.
     scb = cos3.stride(0) if cos3.shape[0] > 1 else 0
     sct = cos3.stride(1)
-    if out_layouts is None:
-        q_out, k_out = _new_like_layout(q), _new_like_layout(k)
-    else:
-        q_out, k_out = (_new_like_layout(x, template) for x, template in zip((q, k), out_layouts))
+    q_strides, k_strides = (dense_strides(q), dense_strides(k)) if out_strides is None else out_strides
+    q_out = new_with_strides(q.shape, q.dtype, q.device, q_strides)
+    k_out = new_with_strides(k.shape, k.dtype, k.device, k_strides)
     if position_ids is not None:
         pos = position_ids
         spb = pos.stride(0) if pos.shape[0] > 1 else 0
@@ -153,17 +152,26 @@ def rope_apply(q, k, cos, sin, position_ids, unsqueeze_dim, backward, num_warps=
     return q_out, k_out
 
 
-def _new_like_layout(x, template=None):
-    """A fresh buffer like x with the memory layout of template (default x itself; e.g. HF's q,
-    a transposed view of the projection)."""
-    template = x if template is None else template
-    if template.is_contiguous() or template.shape != x.shape:
-        return new_output(x.shape, x.dtype, x.device)
-    # empty_like keeps the stride order of a dense non-contiguous tensor
-    out = torch.empty_like(template, dtype=x.dtype, device=x.device)
-    if out.stride(-1) != 1:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    return poison_(out)
+def dense_strides(x):
+    """x's strides when x is a non-contiguous view that covers its memory exactly (e.g. HF's
+    q, a transposed view of the projection), else None (a contiguous buffer will do)."""
+    if x.is_contiguous() or x.stride(-1) != 1:
+        return None
+    expected = 1
+    for size, stride in sorted(zip(x.shape, x.stride()), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return None
+        expected *= size
+    return x.stride()
+
+
+def new_with_strides(shape, dtype, device, strides=None):
+    """An output buffer of ``shape``, laid out with ``strides`` when given (see dense_strides)."""
+    if strides is None:
+        return new_output(shape, dtype, device)
+    return poison_(torch.empty_strided(shape, strides, dtype=dtype, device=device))
 
 
 def check_rope_args(q, k, cos, sin, position_ids, unsqueeze_dim):
@@ -218,17 +226,17 @@ class RoPEFunction(torch.autograd.Function):
             raise ValueError("cos / sin require grad, but tigon's RoPE treats them as constants "
                              "(compute them under torch.no_grad(), as HF's rotary embedding does)")
         q_out, k_out = rope_apply(q, k, cos, sin, position_ids, unsqueeze_dim, backward=False)
-        ctx.save_for_backward(cos, sin, position_ids)
+        ctx.tables = (cos, sin, position_ids)  # constants: kept, not saved (see the note in tigon.ops._common)
         ctx.unsqueeze_dim = unsqueeze_dim
-        # The gradients are written in q's and k's own layouts (memory-free meta templates): for
-        # HF's q, a transposed view of the projection, the view's backward is then free instead
-        # of a copy of dq (H100, B4 T8192 32/8 heads: fwd+bwd 0.95 -> ~0.6 ms).
-        ctx.layouts = (torch.empty_like(q, device="meta"), torch.empty_like(k, device="meta"))
+        # The gradients are written in q's and k's own layouts: for HF's q, a transposed view of
+        # the projection, the view's backward is then free instead of a copy of dq (H100, B4
+        # T8192 32/8 heads: fwd+bwd 0.95 -> ~0.6 ms).
+        ctx.grad_strides = (dense_strides(q), dense_strides(k))
         return q_out, k_out
 
     @staticmethod
     def backward(ctx, dq, dk):
-        cos, sin, position_ids = ctx.saved_tensors
+        cos, sin, position_ids = ctx.tables
         dq, dk = rope_apply(dq, dk, cos, sin, position_ids, ctx.unsqueeze_dim, backward=True,
-                            out_layouts=ctx.layouts)
+                            out_strides=ctx.grad_strides)
         return dq, dk, None, None, None, None

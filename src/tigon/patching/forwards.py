@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 
 import torch
 from torch import nn
@@ -22,8 +23,17 @@ from tigon.ops.cross_entropy import deferred_label_checks
 
 def _eager(fn):
     """Run fn outside torch.compile's tracing (a graph break around it): a compiled patched model
-    then calls tigon's kernels as they are instead of tracing into their launchers."""
-    return torch.compiler.disable(fn, recursive=True)
+    then calls tigon's kernels as they are instead of tracing into their launchers. Outside
+    tracing fn is called directly (the disabled wrapper costs host time on every call)."""
+    disabled = torch.compiler.disable(fn, recursive=True)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call
 
 
 _rms_norm = _eager(TF.rms_norm)
@@ -241,6 +251,37 @@ def make_tied_embedding_forward(embed: nn.Embedding, slot: TiedGradSlot):
     return forward
 
 
+# ---- HF's packed-sequence check ----
+
+_GENERATED_POSITIONS = threading.local()
+
+
+def make_find_packed_sequence_indices(original):
+    """HF's ``masking_utils.find_packed_sequence_indices`` (which reads the GPU: a host sync
+    every forward), answering "not packed" without looking while a patched causal-LM forward
+    runs on positions HF generates itself (no position_ids, attention mask or cache given: a
+    plain arange, so nothing is packed). Without the sync the host can queue the next step
+    while the GPU finishes the last one."""
+    def find_packed_sequence_indices(position_ids, *args, **kwargs):
+        if getattr(_GENERATED_POSITIONS, "on", False):
+            return None
+        return original(position_ids, *args, **kwargs)
+
+    find_packed_sequence_indices._tigon = "packed-sequence check skipped on generated positions"
+    find_packed_sequence_indices._tigon_original = original
+    return find_packed_sequence_indices
+
+
+@contextlib.contextmanager
+def _generated_positions(on: bool):
+    before = getattr(_GENERATED_POSITIONS, "on", False)
+    _GENERATED_POSITIONS.on = on
+    try:
+        yield
+    finally:
+        _GENERATED_POSITIONS.on = before
+
+
 def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mode="flce", chunk_budget=None):
     """Wrap a *ForCausalLM.forward. With labels and the model in training (or ``skip_logits=True``),
     mode "flce" computes the loss from the last hidden state and the lm_head weight without the
@@ -273,12 +314,15 @@ def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mo
             captured["hidden"] = hidden
             return hidden.new_empty(*hidden.shape[:-1], 0)  # softcap / scaling on it cost nothing
 
+        generated = all(bound.arguments.get(name) is None for name in ("position_ids", "attention_mask",
+                                                                         "past_key_values", "inputs_embeds"))
         slot = embed = None
         if mode == "flce" and torch.is_grad_enabled():
             embed = tied_input_embedding(self, head)
             slot = TiedGradSlot() if embed is not None else None
         with _instance_forward(head if mode == "flce" else None, capture), \
-                _instance_forward(embed, None if embed is None else make_tied_embedding_forward(embed, slot)):
+                _instance_forward(embed, None if embed is None else make_tied_embedding_forward(embed, slot)), \
+                _generated_positions(generated):
             out = original(*bound.args, **bound.kwargs)
         ignore_index = extra.get("ignore_index", -100)
         target = shifted_labels(labels, extra.get("shift_labels"), ignore_index)

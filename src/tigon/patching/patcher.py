@@ -24,6 +24,7 @@ from tigon.patching.forwards import (
     identify_activation,
     make_causal_lm_forward,
     make_experts_forward,
+    make_find_packed_sequence_indices,
     make_mlp_forward,
     make_rms_norm_forward,
     norm_eps,
@@ -215,8 +216,25 @@ def apply_family(family: Family, *, rope=True, rms_norm=True, swiglu=True, fused
                                      mode=mode, chunk_budget=chunk_budget)
         fwd._tigon_original = original
         put(lm_class, "forward", fwd, "loss", f"{lm_class.__name__} ({fwd._tigon})")
+        _patch_packed_sequence_check(report)
     log.info("%s", report)
     return report
+
+
+def _patch_packed_sequence_check(report):
+    """Module-wide, like RoPE: HF's packed-sequence check answers without a host sync during
+    patched causal-LM forwards on generated positions (see make_find_packed_sequence_indices)."""
+    try:
+        masking_utils = importlib.import_module("transformers.masking_utils")
+    except ImportError:
+        return
+    fn = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if fn is None:
+        return  # a transformers without the check: nothing to skip
+    if getattr(fn, "_tigon", None) is None:
+        _set(masking_utils, "find_packed_sequence_indices", make_find_packed_sequence_indices(fn))
+    report.replaced.append(("packed_check", "transformers.masking_utils.find_packed_sequence_indices",
+                            "module-wide"))
 
 
 # ---- tigon.patch(model): by model_type, else by structure ----
