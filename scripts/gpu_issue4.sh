@@ -92,6 +92,24 @@ if [ "$PART" = round2 ]; then  # GPU tests of the touched code, launch costs, th
     --out "$OUT/base" 2>&1 | grep "batch 8" | sed 's/^tigon /base  /' | tee -a "$OUT/ab.log"
   timeout 100 python3 benchmarks/train_hf.py --shape qwen2.5-0.5b --impls hf,tigon --out "$OUT/qwen" 2>&1 | grep "batch 8\|/ hf" | tee -a "$OUT/ab.log"
 fi
+if [ "$PART" = gputests ]; then  # the GPU test suite minus the per-family bf16 runs
+  timeout 540 python3 -m pytest -q --gpu -p no:cacheprovider tests/ops tests/nn tests/integration/test_patching.py \
+    tests/losses -k "not family_trains_like_hf" 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -30 | tee "$OUT/gpu_tests.log"
+fi
+if [ "$PART" = round3 ]; then  # the cached launch path live: GPU op tests, launch costs, the run vs baseline/src, Qwen b8
+  python3 -c "import tigon.ops._common as c; print('fast launch on:', c.fast_launch_enabled() and not c._launch_hooks_set())"
+  timeout 250 python3 -m pytest -q --gpu -p no:cacheprovider tests/ops tests/nn 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -30 | tee "$OUT/gpu_tests.log"
+  timeout 60 python3 benchmarks/host_overhead.py 2>&1 | tee "$OUT/host_overhead.log" || status=1
+  timeout 100 python3 benchmarks/train_hf.py --shape llama-1b --impls hf,tigon --out "$OUT/new" 2>&1 | grep "batch 8\|/ hf" | tee -a "$OUT/ab.log"
+  PYTHONPATH=$PWD/baseline/src:$PYTHONPATH timeout 80 python3 benchmarks/train_hf.py --shape llama-1b --impls tigon \
+    --out "$OUT/base" 2>&1 | grep "batch 8" | sed 's/^tigon /base  /' | tee -a "$OUT/ab.log"
+  timeout 100 python3 benchmarks/train_hf.py --shape qwen2.5-0.5b --impls hf,tigon --out "$OUT/qwen" 2>&1 | grep "batch 8\|/ hf" | tee -a "$OUT/ab.log"
+fi
+if [ "$PART" = final ]; then  # final code: the rest of the GPU tests, the run with Liger alongside
+  timeout 230 python3 -m pytest -q --gpu -p no:cacheprovider tests/ops/test_launch.py tests/integration/test_patching.py \
+    tests/losses -k "not family_trains_like_hf" 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -30 | tee "$OUT/gpu_tests.log"
+  timeout 200 python3 benchmarks/train_hf.py --shape llama-1b --impls hf,tigon,liger --out "$OUT" 2>&1 | grep -v -i "warn\|backend impl" | tee "$OUT/train_llama-1b.log" || status=1
+fi
 if [ "$PART" = hostprof ]; then  # cProfile of one tigon step at the batch
   for shape in qwen2.5-0.5b llama-1b; do
     timeout 200 python3 benchmarks/profile_step.py --shape $shape --impls tigon --cprofile 60 --no-torch-profile 2>&1 \

@@ -13,6 +13,7 @@ import os
 from typing import NamedTuple
 
 import torch
+import triton
 
 # When set (the test suite sets it), every output buffer starts as NaN instead of
 # uninitialised memory, so an element a kernel forgot to write fails the comparison.
@@ -32,6 +33,103 @@ _INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 def interpreter_enabled() -> bool:
     return _INTERPRETER
+
+
+# ---- kernel launches ----
+#
+# Triton's ``kernel[grid](...)`` binds and specializes every argument and looks its compiled
+# kernel up on each call: ~30 us of host time per launch on an H100 machine's host, against
+# ~9 us for calling the compiled kernel itself (benchmarks/host_overhead.py). A checkpointed
+# Llama-1B training step launches ~300 of tigon's kernels. ``launch`` keeps the compiled kernel
+# per (kernel, device, argument specialization, constexprs) and calls it directly after the first
+# launch, which goes through Triton (and compiles). The key is at least as fine as Triton's own
+# specialization: tensors by dtype and 16-byte alignment, ints by ==1, %16 and 32-bit range.
+# Off under the interpreter, with launch hooks set (profilers), or with TIGON_FAST_LAUNCH=0.
+
+_FAST_LAUNCH = os.environ.get("TIGON_FAST_LAUNCH", "1") == "1" and not _INTERPRETER
+_LAUNCHES: dict = {}
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda device: torch.cuda.current_stream(device).cuda_stream)
+
+
+class _Uncached(Exception):
+    pass
+
+
+def _arg_spec(a):
+    kind = type(a)
+    if kind is int:
+        return a == 1, a % 16 == 0, -(2**31) <= a < 2**31, a >= 2**63
+    if kind is float:
+        return float
+    if a is None:
+        return None
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if kind is bool:
+        return bool, a
+    raise _Uncached
+
+
+_PLAIN_OPTIONS = (int, bool, float, str, type(None))
+
+
+def _options_key(options):
+    items = tuple(options.items())
+    for _, value in items:
+        if type(value) not in _PLAIN_OPTIONS:  # a runtime argument by keyword: not cached
+            raise _Uncached
+    return items
+
+
+def _hook_set(hook) -> bool:
+    # Triton >= 3.5 keeps hooks in a HookChain (set when its list of calls is not empty).
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _launch_hooks_set() -> bool:
+    """Launch hooks (profilers) are set, or this Triton keeps them elsewhere: launch through it."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "launch_enter_hook"):
+        return True
+    return _hook_set(runtime.launch_enter_hook) or _hook_set(getattr(runtime, "launch_exit_hook", None))
+
+
+def fast_launch_enabled() -> bool:
+    return _FAST_LAUNCH
+
+
+def set_fast_launch(enabled: bool) -> None:
+    """Turn the cached launch path on or off (off: every launch goes through Triton's own)."""
+    global _FAST_LAUNCH
+    _FAST_LAUNCH = bool(enabled) and not _INTERPRETER
+
+
+def launch(kernel, grid, *args, **options) -> None:
+    """``kernel[grid](*args, **options)``: runtime arguments positional (in the kernel's order),
+    constexprs and num_warps / num_stages by keyword."""
+    if not _FAST_LAUNCH or _launch_hooks_set():
+        kernel[grid](*args, **options)
+        return
+    device = torch.cuda.current_device()
+    try:
+        key = (kernel, device, tuple(map(_arg_spec, args)), _options_key(options))
+        entry = _LAUNCHES.get(key)
+    except _Uncached:  # an argument kind Triton specializes otherwise
+        kernel[grid](*args, **options)
+        return
+    if entry is None:
+        compiled = kernel[grid](*args, **options)  # compiles if needed, and launches
+        if compiled is None:
+            return
+        params = list(inspect.signature(kernel.fn).parameters.values())[len(args):]
+        tail = tuple(options[p.name] if p.name in options else p.default for p in params)
+        _LAUNCHES[key] = (compiled.run, compiled.function, compiled.packed_metadata, tail)
+        return
+    run, function, metadata, tail = entry
+    n = len(grid)
+    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _current_raw_stream(device),
+        function, metadata, None, None, None, *args, *tail)
 
 
 def next_pow2(n: int) -> int:

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import capturing, cdiv, check_same_device, check_tensor, new_output, next_pow2
+from tigon.ops._common import capturing, cdiv, check_same_device, check_tensor, launch, new_output, next_pow2
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -233,12 +233,12 @@ def scale_rows_(x2, scale):
         return x2
     if scale.numel() == 1 and x2.is_contiguous():
         block = 4096
-        scale_kernel[(cdiv(x2.numel(), block),)](x2, scale.reshape(1), x2.numel(), BLOCK=block, num_warps=8)
+        launch(scale_kernel, (cdiv(x2.numel(), block),), x2, scale.reshape(1), x2.numel(), BLOCK=block, num_warps=8)
         return x2
     stride = 0 if scale.numel() == 1 else scale.stride(0)
     block = min(4096, next_pow2(x2.shape[1]))
-    scale_rows_kernel[(x2.shape[0],)](x2, x2.stride(0), scale.reshape(-1), stride, x2.shape[1],
-                                      BLOCK=block, num_warps=8 if block >= 4096 else 4)
+    launch(scale_rows_kernel, (x2.shape[0],), x2, x2.stride(0), scale.reshape(-1), stride, x2.shape[1],
+           BLOCK=block, num_warps=8 if block >= 4096 else 4)
     return x2
 
 
@@ -322,7 +322,7 @@ def cross_entropy_rows(logits2, target, weight, norms, grad, ignore_index, label
     correct = new_output((n_rows,), torch.float32, device) if compute_accuracy else None
     programs, block, num_warps = ce_launch_config(n_rows, n_cols, device)
     if n_rows:
-        cross_entropy_kernel[(programs,)](
+        launch(cross_entropy_kernel, (programs,),
             logits2, logits2.stride(0), grad if grad is not None else logits2,
             grad.stride(0) if grad is not None else 0,
             target, weight if weight is not None else norms, norms,

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tigon.ops._common import cdiv, check_same_device, check_tensor, next_pow2
+from tigon.ops._common import cdiv, check_same_device, check_tensor, launch, next_pow2
 
 # Sorted rows summed per loop step: one [ROWS, BLOCK_H] tile, masked to the token's rows.
 SEGMENT_ROWS = 32
@@ -80,7 +80,7 @@ def embedding_backward_accumulate_(grad_weight: torch.Tensor, ids: torch.Tensor,
         g2 = g2.contiguous()
     sorted_ids, order = torch.sort(flat_ids, stable=True)
     block_h = min(256, max(16, next_pow2(n_cols)))
-    embedding_backward_accumulate_kernel[(n_rows, cdiv(n_cols, block_h))](
+    launch(embedding_backward_accumulate_kernel, (n_rows, cdiv(n_cols, block_h)),
         sorted_ids, order, g2, grad_weight, n_rows, n_cols, g2.stride(0), grad_weight.stride(0),
         -1 if padding_idx is None else padding_idx, ROWS=SEGMENT_ROWS, BLOCK_H=block_h,
         num_warps=4 if block_h >= 128 else 2)

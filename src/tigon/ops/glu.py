@@ -17,6 +17,7 @@ from tigon.ops._common import (
     check_same_device,
     check_same_dtype,
     check_tensor,
+    launch,
     new_output,
     next_pow2,
 )
@@ -115,7 +116,7 @@ def glu_forward(a2, b2, activation, out=None):
         n_rows, n_cols, (sa, sb, sc) = _glu_rows(a2, b2, c)
         block, num_warps = glu_launch_config(n_cols)
         blocks_per_row = cdiv(n_cols, block)
-        glu_forward_kernel[(n_rows * blocks_per_row,)](
+        launch(glu_forward_kernel, (n_rows * blocks_per_row,),
             a2, sa, b2, sb, c, sc, n_cols, blocks_per_row,
             ACTIVATION=ACTIVATIONS[activation], BLOCK=block, num_warps=num_warps,
         )
@@ -130,7 +131,7 @@ def glu_backward(dc2, a2, b2, activation, da_out=None, db_out=None):
         n_rows, n_cols, (sdc, sa, sb, sda, sdb) = _glu_rows(dc2, a2, b2, da, db)
         block, num_warps = glu_launch_config(n_cols)
         blocks_per_row = cdiv(n_cols, block)
-        glu_backward_kernel[(n_rows * blocks_per_row,)](
+        launch(glu_backward_kernel, (n_rows * blocks_per_row,),
             dc2, sdc, a2, sa, b2, sb, da, sda, db, sdb, n_cols, blocks_per_row,
             ACTIVATION=ACTIVATIONS[activation], BLOCK=block, num_warps=num_warps,
         )

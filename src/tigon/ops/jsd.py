@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import check_same_device, check_tensor, new_output, next_pow2
+from tigon.ops._common import check_same_device, check_tensor, launch, new_output, next_pow2
 from tigon.ops.linear_token_logps import keep_logit_grad, linear_head_logits, linear_head_rows_backward
 
 FORWARD_KL, REVERSE_KL, MIXED = 0, 1, 2
@@ -143,7 +143,7 @@ def jsd_rows(student, teacher, grad, beta, temperature):
         num_warps = max(4, min(16, block // 512))
         log_beta = math.log(beta) if beta > 0 else 0.0
         log_1m_beta = math.log(1 - beta) if beta < 1 else 0.0
-        jsd_kernel[(n_rows,)](
+        launch(jsd_kernel, (n_rows,),
             student, student.stride(0), teacher, teacher.stride(0),
             grad if grad is not None else student, grad.stride(0) if grad is not None else 0,
             loss, n_cols, 1.0 / temperature, float(beta), log_beta, log_1m_beta,

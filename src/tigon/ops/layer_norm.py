@@ -15,6 +15,7 @@ from tigon.ops._common import (
     cdiv,
     check_same_device,
     check_tensor,
+    launch,
     new_output,
     persistent_programs,
     row_block_config,
@@ -113,7 +114,7 @@ class LayerNormFunction(torch.autograd.Function):
         mean = new_output((n_rows,), torch.float32, x.device)
         rstd = new_output((n_rows,), torch.float32, x.device)
         if n_rows:
-            layer_norm_forward_kernel[(cdiv(n_rows, block_m),)](
+            launch(layer_norm_forward_kernel, (cdiv(n_rows, block_m),),
                 x2, x2.stride(0), y, y.stride(0),
                 weight if weight is not None else x2, bias if bias is not None else x2, mean, rstd,
                 n_rows, n_cols, float(eps),
@@ -138,7 +139,7 @@ class LayerNormFunction(torch.autograd.Function):
         dw_partial = new_output((n_programs, n_cols), torch.float32, x2.device) if compute_dw else None
         db_partial = new_output((n_programs, n_cols), torch.float32, x2.device) if compute_db else None
         if n_rows:
-            layer_norm_backward_kernel[(n_programs,)](
+            launch(layer_norm_backward_kernel, (n_programs,),
                 dy2, dy2.stride(0), x2, x2.stride(0), weight if weight is not None else x2,
                 mean, rstd, dx, dx.stride(0),
                 dw_partial if compute_dw else mean, db_partial if compute_db else mean,

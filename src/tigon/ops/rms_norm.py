@@ -20,6 +20,7 @@ from tigon.ops._common import (
     cdiv,
     check_same_device,
     check_tensor,
+    launch,
     new_output,
     persistent_programs,
     row_block_config,
@@ -104,7 +105,7 @@ def rms_norm_forward(x2, weight, eps, offset, casting, residual2=None):
     rstd = new_output((n_rows,), torch.float32, x2.device)
     s = new_output((n_rows, n_cols), x2.dtype, x2.device) if residual2 is not None else None
     if n_rows:
-        rms_norm_forward_kernel[(cdiv(n_rows, block_m),)](
+        launch(rms_norm_forward_kernel, (cdiv(n_rows, block_m),),
             x2, x2.stride(0),
             residual2 if residual2 is not None else x2, residual2.stride(0) if residual2 is not None else 0,
             s if s is not None else x2, s.stride(0) if s is not None else 0,
@@ -131,7 +132,7 @@ def rms_norm_backward(dy2, x2, weight, rstd, offset, casting, compute_dw, in_pla
     n_programs = persistent_programs(x2.device, cdiv(n_rows, block_m), per_sm)
     dw_partial = new_output((n_programs, n_cols), torch.float32, x2.device) if compute_dw else None
     if n_rows:
-        rms_norm_backward_kernel[(n_programs,)](
+        launch(rms_norm_backward_kernel, (n_programs,),
             dy2, dy2.stride(0), x2, x2.stride(0), weight, rstd, dx, dx.stride(0),
             ds2 if ds2 is not None else dy2, ds2.stride(0) if ds2 is not None else 0,
             dw_partial if compute_dw else rstd,

@@ -19,6 +19,7 @@ from tigon.ops._common import (
     check_same_device,
     check_same_dtype,
     check_tensor,
+    launch,
     new_output,
     next_pow2,
     poison_,
@@ -138,7 +139,7 @@ def rope_apply(q, k, cos, sin, position_ids, unsqueeze_dim, backward, num_warps=
     block_pass = next_pow2(n_pass) if n_pass > 0 else 0
     n_tokens = batch * seq_len
     if n_tokens and head_dim:
-        rope_kernel[(n_tokens,)](
+        launch(rope_kernel, (n_tokens,),
             q, *_bhtd_strides(q, unsqueeze_dim), k, *_bhtd_strides(k, unsqueeze_dim),
             q_out, *_bhtd_strides(q_out, unsqueeze_dim), k_out, *_bhtd_strides(k_out, unsqueeze_dim),
             cos3, sin3, scb, sct, pos, spb, spt,
