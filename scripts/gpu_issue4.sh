@@ -110,6 +110,11 @@ if [ "$PART" = final ]; then  # final code: the rest of the GPU tests, the issue
     tests/losses -k "not family_trains_like_hf" 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -30 | tee "$OUT/gpu_tests.log"
   timeout 200 python3 benchmarks/train_hf.py --shape llama-1b --impls hf,tigon,liger --out "$OUT" 2>&1 | grep -v -i "warn\|backend impl" | tee "$OUT/train_llama-1b.log" || status=1
 fi
+if [ "$PART" = finalsweep ]; then  # final code: the README's batch sweep, and Qwen2.5-0.5B at batch 8
+  timeout 380 python3 benchmarks/train_hf.py --shape llama-1b --batches 8 16 32 64 --impls hf,tigon,liger --steps 6 \
+    --warmup 2 --out "$OUT" 2>&1 | grep -v -i "warn\|backend impl" | tee "$OUT/sweep_llama-1b.log" || status=1
+  timeout 120 python3 benchmarks/train_hf.py --shape qwen2.5-0.5b --impls hf,tigon --out "$OUT/qwen" 2>&1 | grep "batch 8\|/ hf" | tee "$OUT/qwen_b8.log"
+fi
 if [ "$PART" = hostprof ]; then  # cProfile of one tigon step at the issue's batch
   for shape in qwen2.5-0.5b llama-1b; do
     timeout 200 python3 benchmarks/profile_step.py --shape $shape --impls tigon --cprofile 60 --no-torch-profile 2>&1 \
