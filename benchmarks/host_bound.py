@@ -18,7 +18,7 @@ import contextlib
 import time
 
 import torch
-from train_hf import SHAPES, build_model  # benchmarks/ must be on sys.path
+from train_hf import SHAPES, training_step  # benchmarks/ must be on sys.path
 
 
 @contextlib.contextmanager
@@ -81,18 +81,10 @@ def main():
 
 
 def measure(impl, model_type, kw, args, per_ms):
-    torch.manual_seed(0)
-    model, _ = build_model(model_type, kw, impl)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device="cuda")
-
-    def step():
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    model, step = training_step(impl, model_type, kw, args.batch, args.seq)
 
     def forward():  # with autograd on, as in training; the graph is dropped
-        model(input_ids=ids, labels=ids)
+        model(input_ids=step.ids, labels=step.ids)
 
     for _ in range(3):
         step()

@@ -9,7 +9,7 @@ import warnings
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from train_hf import SHAPES, build_model  # benchmarks/ must be on sys.path
+from train_hf import SHAPES, training_step  # benchmarks/ must be on sys.path
 
 
 def print_cprofile(step, top):
@@ -45,15 +45,7 @@ def main():
 
     model_type, kw = SHAPES[args.shape]
     for impl in args.impls.split(","):
-        torch.manual_seed(0)
-        model, _ = build_model(model_type, kw, impl)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device="cuda")
-
-        def step():
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        step = training_step(impl, model_type, kw, args.batch, args.seq)[1]
 
         for _ in range(3):
             step()
@@ -79,7 +71,7 @@ def main():
         if args.cprofile:
             print_cprofile(step, args.cprofile)
         if args.no_torch_profile:
-            model = opt = None
+            step = None
             torch.cuda.empty_cache()
             tigon.unpatch()
             continue
@@ -98,7 +90,7 @@ def main():
         except Exception:
             table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.top)
         print("\n".join(table.splitlines()[: args.top + 4]), flush=True)
-        model = opt = None
+        step = None
         torch.cuda.empty_cache()
         tigon.unpatch()
 

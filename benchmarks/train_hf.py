@@ -65,6 +65,23 @@ def build_model(model_type, shape_kwargs, impl="hf", state=None, chunk_budget=No
     return model, report
 
 
+def training_step(impl, model_type, shape_kwargs, batch, seq, seed=0):
+    """(model, step): a freshly built model (build_model, seed ``seed``) and one AdamW training
+    step on a fixed random batch, for the profiling scripts."""
+    torch.manual_seed(seed)
+    model, _ = build_model(model_type, shape_kwargs, impl)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step.ids = ids
+    return model, step
+
+
 def run(impl, model_type, shape_kwargs, state, args, batch):
     import tigon
 

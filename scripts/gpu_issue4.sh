@@ -115,6 +115,13 @@ if [ "$PART" = finalsweep ]; then  # final code: the README's batch sweep, and Q
     --warmup 2 --out "$OUT" 2>&1 | grep -v -i "warn\|backend impl" | tee "$OUT/sweep_llama-1b.log" || status=1
   timeout 120 python3 benchmarks/train_hf.py --shape qwen2.5-0.5b --impls hf,tigon --out "$OUT/qwen" 2>&1 | grep "batch 8\|/ hf" | tee "$OUT/qwen_b8.log"
 fi
+if [ "$PART" = check ]; then  # the profiling scripts after their refactor, the deferred label check, one more issue run
+  timeout 60 python3 -m pytest -q --gpu -p no:cacheprovider tests/ops/test_cross_entropy.py -k "deferred or label" 2>&1 | grep -E "passed|failed" | tee "$OUT/gpu_tests.log"
+  timeout 90 python3 benchmarks/profile_step.py --shape qwen2.5-0.5b --batch 1 --seq 128 --impls tigon --cprofile 5 --no-torch-profile 2>&1 \
+    | grep -v -i "warn\|backend impl" | head -12 | tee "$OUT/profile_step_check.log" || status=1
+  timeout 120 python3 benchmarks/host_bound.py --shape llama-1b --repeats 3 2>&1 | grep -v -i "warn\|backend impl" | tee "$OUT/host_bound_llama-1b_final.log" || status=1
+  timeout 130 python3 benchmarks/train_hf.py --shape llama-1b --out "$OUT" 2>&1 | grep "batch 8\|/ hf" | tee "$OUT/train_llama-1b.log" || status=1
+fi
 if [ "$PART" = hostprof ]; then  # cProfile of one tigon step at the issue's batch
   for shape in qwen2.5-0.5b llama-1b; do
     timeout 200 python3 benchmarks/profile_step.py --shape $shape --impls tigon --cprofile 60 --no-torch-profile 2>&1 \

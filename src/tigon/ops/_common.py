@@ -7,6 +7,7 @@ every kernel on a machine without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -130,6 +131,17 @@ def launch(kernel, grid, *args, **options) -> None:
     n = len(grid)
     run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _current_raw_stream(device),
         function, metadata, None, None, None, *args, *tail)
+
+
+@contextlib.contextmanager
+def thread_flag(local, value: bool = True):
+    """``local.on = value`` (a threading.local) for the block, then what it was before."""
+    before = getattr(local, "on", False)
+    local.on = value
+    try:
+        yield
+    finally:
+        local.on = before
 
 
 def next_pow2(n: int) -> int:

@@ -18,7 +18,6 @@ loss of 0 and a zero gradient.
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
 import threading
 
@@ -26,7 +25,16 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import capturing, cdiv, check_same_device, check_tensor, launch, new_output, next_pow2
+from tigon.ops._common import (
+    capturing,
+    cdiv,
+    check_same_device,
+    check_tensor,
+    launch,
+    new_output,
+    next_pow2,
+    thread_flag,
+)
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -41,15 +49,9 @@ _PENDING_LABEL_CHECKS: collections.deque = collections.deque()
 MAX_PENDING_LABEL_CHECKS = 8  # beyond this the oldest check waits for its result
 
 
-@contextlib.contextmanager
 def deferred_label_checks():
     """Inside the block, label checks on CUDA do not sync the host with the GPU (see above)."""
-    before = getattr(_DEFERRAL, "on", False)
-    _DEFERRAL.on = True
-    try:
-        yield
-    finally:
-        _DEFERRAL.on = before
+    return thread_flag(_DEFERRAL)
 
 
 def resolve_label_checks(wait: bool = False) -> None:

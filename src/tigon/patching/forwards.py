@@ -17,7 +17,7 @@ from torch import nn
 
 from tigon import functional as TF
 from tigon.ops import GLUDownProjFunction, GLUFunction, GLUMLPFunction, TiedGradSlot
-from tigon.ops._common import under_checkpoint
+from tigon.ops._common import thread_flag, under_checkpoint
 from tigon.ops.cross_entropy import deferred_label_checks
 
 
@@ -272,16 +272,6 @@ def make_find_packed_sequence_indices(original):
     return find_packed_sequence_indices
 
 
-@contextlib.contextmanager
-def _generated_positions(on: bool):
-    before = getattr(_GENERATED_POSITIONS, "on", False)
-    _GENERATED_POSITIONS.on = on
-    try:
-        yield
-    finally:
-        _GENERATED_POSITIONS.on = before
-
-
 def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mode="flce", chunk_budget=None):
     """Wrap a *ForCausalLM.forward. With labels and the model in training (or ``skip_logits=True``),
     mode "flce" computes the loss from the last hidden state and the lm_head weight without the
@@ -322,7 +312,7 @@ def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mo
             slot = TiedGradSlot() if embed is not None else None
         with _instance_forward(head if mode == "flce" else None, capture), \
                 _instance_forward(embed, None if embed is None else make_tied_embedding_forward(embed, slot)), \
-                _generated_positions(generated):
+                thread_flag(_GENERATED_POSITIONS, generated):
             out = original(*bound.args, **bound.kwargs)
         ignore_index = extra.get("ignore_index", -100)
         target = shifted_labels(labels, extra.get("shift_labels"), ignore_index)
