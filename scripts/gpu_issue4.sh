@@ -122,6 +122,11 @@ if [ "$PART" = check ]; then  # the profiling scripts after their refactor, the 
   timeout 120 python3 benchmarks/host_bound.py --shape llama-1b --repeats 3 2>&1 | grep -v -i "warn\|backend impl" | tee "$OUT/host_bound_llama-1b_final.log" || status=1
   timeout 130 python3 benchmarks/train_hf.py --shape llama-1b --out "$OUT" 2>&1 | grep "batch 8\|/ hf" | tee "$OUT/train_llama-1b.log" || status=1
 fi
+if [ "$PART" = families ]; then  # every family row in bf16 on the GPU against HF
+  timeout 520 python3 -m pytest -v --gpu -p no:cacheprovider tests/integration/test_patching.py -k family_trains_like_hf \
+    2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" > "$OUT/gpu_family_tests.log"
+  grep -c PASSED "$OUT/gpu_family_tests.log"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_family_tests.log" | tail -30
+fi
 if [ "$PART" = hostprof ]; then  # cProfile of one tigon step at the batch
   for shape in qwen2.5-0.5b llama-1b; do
     timeout 200 python3 benchmarks/profile_step.py --shape $shape --impls tigon --cprofile 60 --no-torch-profile 2>&1 \
