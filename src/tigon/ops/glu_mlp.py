@@ -83,12 +83,11 @@ def _as(t, dtype):
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def gate_up_slice(x2, wg, wu, cols, out=None):
+def gate_up_slice(x2, wg, wu, cols):
     """[gate_j | up_j] = [x Wg_j^T | x Wu_j^T] for the column slice ``cols``, as one [rows, 2w]
     buffer written by two matmuls (no stacked copy of the weights)."""
     width = cols.stop - cols.start
-    if out is None:
-        out = torch.empty((x2.shape[0], 2 * width), dtype=x2.dtype, device=x2.device)
+    out = torch.empty((x2.shape[0], 2 * width), dtype=x2.dtype, device=x2.device)
     torch.mm(x2, wg[cols].t(), out=out[:, :width])
     torch.mm(x2, wu[cols].t(), out=out[:, width:])
     return out
@@ -118,13 +117,14 @@ class GLUMLPFunction(torch.autograd.Function):
             return x.new_empty(out_shape, dtype=mm)  # checkpoint stops once x is saved (above)
         x2 = _as(as_rows(x), mm)
         wg, wu, wd = _as(gate_weight, mm), _as(up_weight, mm), _as(down_weight, mm)
-        width = slice_columns or mlp_slice_columns(n_rows, n_cols, element_size, FORWARD_SLICE_BUDGET_BYTES)
+        forward_columns = slice_columns or mlp_slice_columns(n_rows, n_cols, element_size,
+                                                             FORWARD_SLICE_BUDGET_BYTES)
         c = torch.empty((n_rows, n_cols), dtype=mm, device=x.device)
         with torch.autocast(x.device.type, enabled=False):
-            for cols in column_slices(n_cols, width):
+            for cols in column_slices(n_cols, forward_columns):
                 ab_j = gate_up_slice(x2, wg, wu, cols)
-                w = cols.stop - cols.start
-                glu_forward(ab_j[:, :w], ab_j[:, w:], activation, out=c[:, cols])
+                width = cols.stop - cols.start
+                glu_forward(ab_j[:, :width], ab_j[:, width:], activation, out=c[:, cols])
                 del ab_j
             out = c @ wd.t()
         return out.view(out_shape)

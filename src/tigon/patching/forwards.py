@@ -268,7 +268,6 @@ def make_find_packed_sequence_indices(original):
         return original(position_ids, *args, **kwargs)
 
     find_packed_sequence_indices._tigon = "packed-sequence check skipped on generated positions"
-    find_packed_sequence_indices._tigon_original = original
     return find_packed_sequence_indices
 
 
