@@ -1,7 +1,7 @@
 """Where the peak memory of a training step goes: the peak allocated memory between
 consecutive module hooks (forward and backward of every decoder layer, the embedding, the
 final norm) during one step of benchmarks/train_hf.py's setup, with what was allocated there.
-Run on a CUDA machine: ``PYTHONPATH=src:benchmarks python benchmarks/memory_peak.py --shape llama-1b [--impl tigon|hf]``.
+Run on a CUDA machine: ``PYTHONPATH=src python benchmarks/memory_peak.py --shape llama-1b [--impl tigon|hf]``.
 
 ``--trace`` instead records the allocator's history over the step (no module hooks, which
 hold tensors of their own) and lists what was live at the step's peak: the blocks allocated
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from train_hf import SHAPES, build_model  # benchmarks/ must be on sys.path
+from train_hf import SHAPES, build_model  # next to this script
 
 GiB = 2**30
 
@@ -157,12 +157,12 @@ def main():
                    help="hook events at which to list the live blocks by size")
     p.add_argument("--trace", action="store_true", help="list what is live at the step's peak (allocator trace)")
     p.add_argument("--mlp-slice-mib", type=int, default=None,
-                   help="override the checkpointed MLP's slice budget (tigon.ops.glu_mlp.SLICE_BUDGET_BYTES)")
+                   help="override the checkpointed MLP's slice budget (tigon.ops.glu_mlp.MLP_SLICE_BUDGET_BYTES)")
     args = p.parse_args()
     if args.mlp_slice_mib:
         from tigon.ops import glu_mlp
 
-        glu_mlp.SLICE_BUDGET_BYTES = args.mlp_slice_mib * 2**20
+        glu_mlp.MLP_SLICE_BUDGET_BYTES = args.mlp_slice_mib * 2**20
     model_type, kw = SHAPES[args.shape]
     torch.manual_seed(0)
     model, _ = build_model(model_type, kw, args.impl)

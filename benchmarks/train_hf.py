@@ -38,6 +38,15 @@ SHAPES = {
 }
 
 
+def add_setup_args(parser, default_shape="llama-1b"):
+    """--shape, --batch, --seq and --impls: the training setup every script built on this one takes."""
+    parser.add_argument("--shape", default=default_shape, choices=list(SHAPES))
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--impls", default="hf,tigon", help="comma-separated: hf, tigon, liger")
+    return parser
+
+
 def build_model(model_type, shape_kwargs, impl="hf", state=None, chunk_budget=None):
     """The bf16 model on the GPU (weights from `state` when given), patched by `impl` ("hf":
     not at all, "tigon", "liger"), with gradient checkpointing, in train mode: (model, report)."""
@@ -185,17 +194,13 @@ def plot_sweep(results, path, title):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--shape", default="llama-1b", choices=list(SHAPES))
-    p.add_argument("--batch", type=int, default=8)
+    p = add_setup_args(argparse.ArgumentParser())
     p.add_argument("--batches", type=int, nargs="*", help="a batch-size sweep (each implementation until OOM)")
-    p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--adamw", default="fused", choices=["fused", "foreach", "for-loop"],
                    help="torch AdamW implementation (foreach keeps temporaries the size of the weights)")
-    p.add_argument("--impls", default="hf,tigon", help="comma-separated: hf, tigon, liger")
     p.add_argument("--chunk-mib", type=int, default=None, help="tigon's FLCE chunk budget (default 512 MiB)")
     p.add_argument("--out", default=None)
     args = p.parse_args()

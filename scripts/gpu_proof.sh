@@ -1,51 +1,72 @@
 #!/usr/bin/env bash
-# Device calls for the committed proof (benchmarks/results/<gpu>/): `tigon env`, the timed
-# `tigon bench --quick`, `tigon demo`, the op sweeps (in two parts: one device call is 10
-# minutes at most), the chunked losses and the end-to-end batch sweep.
+# Device calls that regenerate benchmarks/results/<gpu>/ (see its README): each part writes the
+# folder of the same name under $OUT, as committed there.
 # Usage (device machine, repo root; carry .whl with liger-kernel and cut-cross-entropy):
-#   OUT=/some/dir bash scripts/gpu_proof.sh quick|ops-a|ops-b|flce|train|shapes   (several: one after the other)
-# Merge the op parts afterwards: python -m tigon.bench.ops --merge A B --out DIR
+#   OUT=/some/dir bash scripts/gpu_proof.sh quick|demo|ops-a|ops-b|losses|train|sweep|host|shapes
+#   (several: one after the other; one device call runs 10 minutes at most, so ops-a and ops-b
+#   are separate calls). Merge the op halves afterwards (no GPU):
+#   python -m tigon.bench.ops --merge ops_a ops_b --out ops
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/device_env.sh
 tigon() { python3 -m tigon_cli "$@"; }
+train_hf() { python3 benchmarks/train_hf.py "$@" 2>&1 | grep -v -i "warn\|backend impl"; }
 status=0
 for part in "${@:-quick}"; do
 case "$part" in
-  quick)
+  quick)  # the environment, and `tigon bench --quick` with its wall time
     tigon env | tee "$OUT/env.txt"
+    mkdir -p "$OUT/quick"
     start=$(date +%s)
-    tigon bench --quick --out "$OUT/bench_quick" > "$OUT/bench_quick.log" || status=1
-    echo "tigon bench --quick: $(( $(date +%s) - start )) s" | tee -a "$OUT/bench_quick.log"
-    tail -3 "$OUT/bench_quick.log"
-    [ "${SKIP_DEMO:-0}" = 1 ] || tigon demo --out "$OUT/demo" --no-progress 2>&1 | grep -v -i warn | tee "$OUT/demo.log" || status=1
+    tigon bench --quick --out "$OUT/quick" > "$OUT/quick/bench_quick.log" || status=1
+    echo "tigon bench --quick: $(( $(date +%s) - start )) s" | tee -a "$OUT/quick/bench_quick.log"
+    ;;
+  demo)
+    mkdir -p "$OUT/demo"
+    tigon demo --out "$OUT/demo" --no-progress 2>&1 | grep -v -i warn | tee "$OUT/demo/demo.log" || status=1
     ;;
   ops-a)
-    tigon bench rms_norm layer_norm fused_add_rms_norm swiglu geglu rope swiglu_mlp --out "$OUT/ops_a" \
-      > "$OUT/ops_a.log" || status=1
-    tail -2 "$OUT/ops_a.log"
-    ;;
-  flce)  # the loss cases again, each in its own process
-    python3 -m tigon.bench.ops --ops fused_linear_cross_entropy --shapes ${FLCE_SHAPES:-} --out "$OUT/ops_flce" \
-      > "$OUT/ops_flce.log" || status=1
-    tail -2 "$OUT/ops_flce.log"
+    tigon bench rms_norm layer_norm fused_add_rms_norm swiglu geglu rope swiglu_mlp --out "$OUT/ops_a" || status=1
     ;;
   ops-b)
-    tigon bench cross_entropy fused_linear_cross_entropy --out "$OUT/ops_b" > "$OUT/ops_b.log" || status=1
-    tail -2 "$OUT/ops_b.log"
+    tigon bench cross_entropy fused_linear_cross_entropy --out "$OUT/ops_b" || status=1
     ;;
-  train)
-    timeout 170 python3 benchmarks/bench_losses.py --out "$OUT" 2>&1 | tee "$OUT/bench_losses.log" || status=1
-    timeout 330 python3 benchmarks/train_hf.py --shape llama-1b --batches 8 16 32 64 --impls hf,tigon,liger \
-      --steps 6 --warmup 2 --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/train_sweep.log" || status=1
+  losses)
+    mkdir -p "$OUT/losses"
+    timeout 300 python3 benchmarks/bench_losses.py --out "$OUT/losses" 2>&1 | tee "$OUT/losses/bench_losses.log" || status=1
+    # tigon's DPO loss inside TRL's DPOTrainer (carry trl, datasets, dill, multiprocess in .whl)
+    timeout 180 python3 examples/dpo_with_trl.py 2>&1 | grep -v -i warn | tail -20 \
+      | tee "$OUT/losses/dpo_with_trl.log" || status=1
     ;;
-  shapes)  # more end-to-end shapes (Qwen, Gemma, an 8B)
-    timeout 140 python3 benchmarks/train_hf.py --shape qwen2.5-0.5b --batches 8 16 32 --impls hf,tigon,liger \
-      --steps 6 --warmup 2 --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/train_qwen.log" || status=1
-    timeout 180 python3 benchmarks/train_hf.py --shape gemma2-2b --batches 4 8 16 --impls hf,tigon,liger \
-      --steps 6 --warmup 2 --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/train_gemma.log" || status=1
-    timeout 240 python3 benchmarks/train_hf.py --shape llama-8b --batches 1 2 --impls hf,tigon \
-      --steps 4 --warmup 2 --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/train_8b.log" || status=1
+  train)  # Llama-3.2-1B shape at batch 8 (HF, tigon, Liger), Qwen2.5-0.5B at batch 8 (HF, tigon)
+    mkdir -p "$OUT/train"
+    timeout 250 train_hf --shape llama-1b --impls hf,tigon,liger --out "$OUT/train" \
+      | tee "$OUT/train/train_llama-1b.log" || status=1
+    timeout 150 train_hf --shape qwen2.5-0.5b --impls hf,tigon --out "$OUT/train" || status=1
+    ;;
+  sweep)  # the Llama-3.2-1B shape's batch sweep
+    mkdir -p "$OUT/train"
+    timeout 400 train_hf --shape llama-1b --batches 8 16 32 64 --impls hf,tigon,liger --steps 6 --warmup 2 \
+      --out "$OUT/train" | tee "$OUT/train/train_llama-1b_batch_sweep.log" || status=1
+    ;;
+  host)  # host cost per op call, and GPU idle per training step
+    mkdir -p "$OUT/host"
+    timeout 120 python3 benchmarks/tuning/host_overhead.py 2>&1 | tee "$OUT/host/host_overhead.log" || status=1
+    timeout 300 python3 benchmarks/tuning/host_bound.py --shape llama-1b --repeats 3 2>&1 \
+      | grep -v -i "warn\|backend impl" | tee "$OUT/host/host_bound_llama-1b.log" || status=1
+    ;;
+  shapes)  # batch sweeps of more shapes (Qwen, Gemma, an 8B)
+    mkdir -p "$OUT/train"
+    timeout 150 train_hf --shape qwen2.5-0.5b --batches 8 16 32 --impls hf,tigon,liger --steps 6 --warmup 2 \
+      --out "$OUT/train" | tee "$OUT/train/train_qwen2.5-0.5b_batch_sweep.log" || status=1
+    timeout 200 train_hf --shape gemma2-2b --batches 4 8 16 --impls hf,tigon,liger --steps 6 --warmup 2 \
+      --out "$OUT/train" | tee "$OUT/train/train_gemma2-2b_batch_sweep.log" || status=1
+    timeout 240 train_hf --shape llama-8b --batches 1 2 --impls hf,tigon --steps 4 --warmup 2 \
+      --out "$OUT/train" | tee "$OUT/train/train_llama-8b_batch_sweep.log" || status=1
+    ;;
+  *)
+    echo "unknown part: $part" >&2
+    status=2
     ;;
 esac
 done

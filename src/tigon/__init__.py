@@ -2,10 +2,19 @@
 
 from tigon import functional, nn, ops
 from tigon.auto import AutoModelForCausalLM
-from tigon.patching import FAMILIES, PATCHERS, PatchReport, TigonPatchError, patch, patched, unpatch
+from tigon.patching import (
+    FAMILIES,
+    PATCHERS,
+    PatchOptions,
+    PatchReport,
+    TigonPatchError,
+    patch,
+    patched,
+    unpatch,
+)
 
-globals().update(PATCHERS)  # patch_llama, patch_mistral, ...
+globals().update(PATCHERS)  # patch_llama, patch_mistral, ... (defined in tigon.patching)
 
 __version__ = "0.1.0"
-__all__ = ["AutoModelForCausalLM", "FAMILIES", "PatchReport", "TigonPatchError", "functional", "nn", "ops", "patch",
-           "patched", "unpatch", "__version__", *PATCHERS]
+__all__ = ["AutoModelForCausalLM", "FAMILIES", "PatchOptions", "PatchReport", "TigonPatchError", "functional", "nn",
+           "ops", "patch", "patched", "unpatch", "__version__", *PATCHERS]

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
-_PATCH_OPTIONS = ("rope", "rms_norm", "swiglu", "fused_linear_cross_entropy", "cross_entropy", "chunk_budget")
-
 
 def _split(kwargs):
-    options = {k: kwargs.pop(k) for k in _PATCH_OPTIONS if k in kwargs}
+    """(patch options, the rest for transformers) from one set of keyword arguments."""
+    from tigon.patching import PATCH_OPTION_NAMES
+
+    options = {k: kwargs.pop(k) for k in PATCH_OPTION_NAMES if k in kwargs}
+    if "patch_options" in kwargs:
+        options["options"] = kwargs.pop("patch_options")
     return options, kwargs
 
 
 class AutoModelForCausalLM:
     """``from_pretrained`` / ``from_config`` as transformers', then ``tigon.patch(model, ...)``.
-    Patch options (rope, rms_norm, swiglu, fused_linear_cross_entropy, cross_entropy, chunk_budget) may be
-    passed among the keyword arguments; the PatchReport is on ``model.tigon_report``."""
+    Patch options (the fields of tigon.PatchOptions: rope, rms_norm, swiglu,
+    fused_linear_cross_entropy, cross_entropy, chunk_budget) may be passed among the keyword
+    arguments, or as ``patch_options=PatchOptions(...)``; the PatchReport is on
+    ``model.tigon_report``."""
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):

@@ -1,4 +1,4 @@
-"""The ``tigon`` command: ``tigon env``, ``tigon demo``, ``tigon bench``.
+"""The ``tigon`` command: ``tigon env``, ``tigon demo``, ``tigon bench``, ``tigon --version``.
 
 Without a CUDA GPU, tigon's Triton kernels can only run in Triton's interpreter, which Triton
 reads from TRITON_INTERPRET when it is first imported; the console script (``tigon_cli``) sets
@@ -56,7 +56,11 @@ def env_report() -> str:
 
 
 def main(argv=None) -> int:
+    from tigon import __version__
+    from tigon.bench.ops import OP_NAMES, unknown_op_error
+
     parser = argparse.ArgumentParser(prog="tigon", description="Fused Triton kernels for LLM training.")
+    parser.add_argument("--version", action="version", version=f"tigon {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("env", help="versions, GPU, and whether kernels run compiled or interpreted")
     demo = sub.add_parser("demo", help="fine-tune a small Llama-style model with plain HF and with tigon, and compare")
@@ -66,7 +70,7 @@ def main(argv=None) -> int:
     demo.add_argument("--out", default="tigon_demo", help="folder for demo.json and loss_curves.png")
     demo.add_argument("--no-progress", action="store_true")
     bench = sub.add_parser("bench", help="time and memory of every op vs torch eager / compile / Liger / CCE (GPU)")
-    bench.add_argument("ops", nargs="*", help="op names (default: all); e.g. rms_norm cross_entropy")
+    bench.add_argument("ops", nargs="*", metavar="op", help=f"ops to measure (default: all): {', '.join(OP_NAMES)}")
     bench.add_argument("--quick", action="store_true", help="one size per op")
     bench.add_argument("--out", default="tigon_bench", help="folder for ops.json, ops.csv, ops.md and the plots")
     bench.add_argument("--verbose", action="store_true", help="print every implementation's result as it comes")
@@ -75,6 +79,10 @@ def main(argv=None) -> int:
     if args.command == "env":
         print(env_report())
         return 0
+    if args.command == "bench":
+        error = unknown_op_error(args.ops)
+        if error:  # before the GPU check: a typo is reported on any machine
+            bench.error(f"argument op: {error}")
     cuda = _cuda_available()
     if args.command == "demo":
         if args.device == "cuda" and not cuda:

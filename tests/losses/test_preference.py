@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from tests.helpers import DEVICE, check_op, pick, randn
 from tigon.losses import (
     TigonDPOLoss,
+    TigonORPOLoss,
     cpo_loss,
     dpo_loss,
     kto_loss,
@@ -162,6 +163,19 @@ def test_bad_inputs_are_clear_errors():
         dpo_loss(x, w, target[:, :-1])
     with pytest.raises(ValueError, match="loss_type"):
         dpo_loss(x, w, target, loss_type="kto")
+    for bad in (0, -1, 1.5):  # were clamped to 1 (or truncated) without a word
+        with pytest.raises(ValueError, match=f"chunk_pairs must be a positive int, got {bad}"):
+            dpo_loss(x, w, target, chunk_pairs=bad)
+        with pytest.raises(ValueError, match=f"chunk_rows must be a positive int, got {bad}"):
+            kto_loss(x, w, target, torch.ones(x.shape[0], dtype=torch.bool, device=x.device), chunk_rows=bad)
+
+
+def ref_kto(x, w, b, target, labels, ref_lp, beta, wd, wu, kl):
+    logps = ref_logps(x, w, b, target, False)[0]
+    ratio = logps - (ref_lp.to(x.dtype) if ref_lp is not None else 0)
+    chosen = wd * (1 - torch.sigmoid(beta * (ratio - kl)))
+    rejected = wu * (1 - torch.sigmoid(beta * (kl - ratio)))
+    return torch.where(labels, chosen, rejected).mean()
 
 
 @pytest.mark.parametrize("reference", ["precomputed", "model", "free"])
@@ -183,16 +197,9 @@ def test_kto_matches_reference(reference):
     else:
         ref_lp = None
 
-    def ref(x, w, b):
-        logps = ref_logps(x, w, b, target, False)[0]
-        ratio = logps - (ref_lp.to(x.dtype) if ref_lp is not None else 0)
-        chosen = wd * (1 - torch.sigmoid(beta * (ratio - kl)))
-        rejected = wu * (1 - torch.sigmoid(beta * (kl - ratio)))
-        return torch.where(labels, chosen, rejected).mean()
-
     run(lambda x, w, b: kto_loss(x, w, target, labels, b, beta=beta, desirable_weight=wd, undesirable_weight=wu,
                                  kl=kl, chunk_rows=4, **kw),
-        ref, x, w, b, f"kto[{reference}]")
+        lambda x, w, b: ref_kto(x, w, b, target, labels, ref_lp, beta, wd, wu, kl), x, w, b, f"kto[{reference}]")
     with pytest.raises(ValueError, match="preference_labels"):
         kto_loss(x, w, target, labels.float())
 
@@ -228,3 +235,62 @@ def test_dpo_bf16_and_non_contiguous_hidden_states():
                                      "sigmoid", 0.0, False, False),
              [base, w], dtype=torch.bfloat16, tol=3e-2, what="dpo bf16 strided", worse_than_eager=4.0,
              noise_floor=2e-2)
+
+
+@pytest.mark.parametrize("clamp_kl", [None, True, False])
+@pytest.mark.parametrize("kl", [0.3, -0.4])
+def test_kto_kl_clamping(clamp_kl, kl):
+    """TRL 1.16's KTOTrainer clamps the batch KL estimate at 0 (tigon's default, clamp_kl=True);
+    clamp_kl=False takes it as given, as Liger's chunked KTO loss does."""
+    pairs, tokens, hidden, vocab = SHAPE
+    x, w, b, target = make(pairs, tokens, hidden, vocab, bias=True)
+    n = x.shape[0]
+    labels = torch.arange(n, device=DEVICE) % 3 != 1
+    ref_lp = randn((n,), torch.float32) - 8
+    used_kl = max(kl, 0.0) if clamp_kl in (None, True) else kl
+    kw = {} if clamp_kl is None else dict(clamp_kl=clamp_kl)
+    kl_arg = torch.tensor(kl, device=DEVICE) if clamp_kl is False else kl
+    run(lambda x, w, b: kto_loss(x, w, target, labels, b, beta=0.5, kl=kl_arg, ref_logps=ref_lp, chunk_rows=4, **kw),
+        lambda x, w, b: ref_kto(x, w, b, target, labels, ref_lp, 0.5, 1.0, 1.0, used_kl), x, w, b,
+        f"kto[kl={kl}, clamp_kl={clamp_kl}]")
+
+
+def test_kto_kl_must_be_one_number():
+    x, w, b, target = make(*SHAPE)
+    labels = torch.ones(x.shape[0], dtype=torch.bool, device=DEVICE)
+    with pytest.raises(ValueError, match="kl"):
+        kto_loss(x, w, target, labels, kl=torch.zeros(x.shape[0], device=DEVICE))
+
+
+@pytest.mark.parametrize("chunk_pairs", [1, 2])
+def test_orpo_nll_target(chunk_pairs):
+    """Liger's nll_target: the NLL term uses it (its chosen half, normalised by its non-ignored
+    count) while the odds ratio uses target. Here nll_target also covers the prompt tokens."""
+    x, w, b, target = make(*SHAPE, bias=True)
+    pairs = SHAPE[0]
+    nll_target = torch.randint(0, SHAPE[3], target.shape, device=DEVICE)
+    nll_target = torch.where(target != -100, target, nll_target)
+    nll_target[0, 0] = -100  # its own padding
+    nll_target[pairs:] = -100  # the rejected half is never read
+    beta = 0.2
+
+    def ref(x, w, b):
+        logps, _, _ = ref_logps(x, w, b, target, True)
+        c, r = logps[:pairs], logps[pairs:]
+        log_odds = (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
+        _, lp, mask = ref_logps(x[:pairs], w, b, nll_target[:pairs], False)
+        return -lp.sum() / mask.sum() - beta * F.logsigmoid(log_odds).mean()
+
+    run(lambda x, w, b: orpo_loss(x, w, target, b, beta=beta, nll_target=nll_target, chunk_pairs=chunk_pairs), ref,
+        x, w, b, f"orpo nll_target[chunks of {chunk_pairs}]")
+    loss, metrics = TigonORPOLoss(beta=beta)(x, w, target, b, nll_target=nll_target)
+    _, lp, mask = ref_logps(x[:pairs].double(), w.double(), b.double(), nll_target[:pairs], False)
+    assert torch.allclose(metrics["nll_loss"].double(), -lp.sum() / mask.sum(), rtol=1e-4)
+    assert torch.allclose(loss.double(), ref(x.double(), w.double(), b.double()), rtol=1e-4)
+    assert not torch.allclose(loss, orpo_loss(x, w, target, b, beta=beta)[0])  # nll_target changes the loss
+    with pytest.raises(ValueError, match="nll_target"):
+        orpo_loss(x, w, target, b, nll_target=nll_target[:, :-1])
+    with pytest.raises(ValueError, match="nll_target"):
+        orpo_loss(x, w, target, b, nll_target=nll_target, compute_nll_loss=False)
+    with pytest.raises(TypeError, match="nll_target"):
+        orpo_loss(x, w, target, b, nll_target=nll_target.float())

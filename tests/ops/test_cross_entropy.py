@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from tests.helpers import DEVICE, DTYPES, check_op, pick, randn, up
-from tigon import functional as F
+from tigon import functional as TF
 from tigon.nn import TigonCrossEntropyLoss
 
 # (rows, vocab): vocab not a power of two; the largest spans several BLOCK_V-wide blocks.
@@ -36,14 +36,14 @@ def ref_cross_entropy(logits, target, ignore_index=-100, reduction="mean", label
     return loss
 
 
-def run_case(shape, dtype, reduction="mean", ignore="some", **opts):
+def run_case(shape, dtype, reduction="mean", ignore="some", inplace=False, **opts):
     n, v = shape
     logits = randn((n, v), dtype, scale=3.0, requires_grad=True)
     target = make_target(n, v, ignore)
     # The gradient is rounded to the logits' dtype in the forward pass and again when the
     # backward scales it by a grad_output != 1: up to two roundings (2 * 2^-8 in bf16) where
     # eager torch has one.
-    check_op(lambda x: F.cross_entropy(x, target, reduction=reduction, **opts),
+    check_op(lambda x: TF.cross_entropy(x * 1, target, reduction=reduction, inplace=inplace, **opts),
              lambda x: ref_cross_entropy(x, target, reduction=reduction, **opts),
              [logits], dtype=dtype, what=f"cross_entropy[{reduction}, {ignore}, {sorted(opts)}]",
              noise_floor=2 * 2**-8 if dtype == torch.bfloat16 else None)
@@ -53,8 +53,9 @@ def run_case(shape, dtype, reduction="mean", ignore="some", **opts):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("ignore", ["none", "some", "all"])
-def test_cross_entropy_matches_torch(shape, dtype, reduction, ignore):
-    run_case(shape, dtype, reduction, ignore)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_cross_entropy_matches_torch(shape, dtype, reduction, ignore, inplace):
+    run_case(shape, dtype, reduction, ignore, inplace)
 
 
 OPTIONS = {
@@ -82,10 +83,10 @@ def test_cross_entropy_not_in_place_leaves_logits_alone():
     logits = randn((6, 77), torch.float32, requires_grad=True)
     before = logits.detach().clone()
     target = make_target(6, 77)
-    check_op(lambda x: F.cross_entropy(x, target, inplace=False), lambda x: ref_cross_entropy(x, target),
+    check_op(lambda x: TF.cross_entropy(x, target, inplace=False), lambda x: ref_cross_entropy(x, target),
              [logits], dtype=torch.float32)
     x = logits.detach().clone().requires_grad_()
-    F.cross_entropy(x, target, inplace=False).backward()
+    TF.cross_entropy(x, target, inplace=False).backward()
     assert torch.equal(x.detach(), before)
 
 
@@ -94,7 +95,7 @@ def test_cross_entropy_in_place_reuses_the_logits_buffer_and_bumps_its_version()
     target = make_target(5, 64)
     h = x * 1.0  # a non-leaf, like lm_head's output
     version = h._version
-    loss = F.cross_entropy(h, target)
+    loss = TF.cross_entropy(h, target, inplace=True)
     assert h._version > version  # other saved uses of h now fail loudly, not silently
     loss.backward()
     x64 = x.detach().double().requires_grad_()
@@ -106,7 +107,7 @@ def test_cross_entropy_in_place_reuses_the_logits_buffer_and_bumps_its_version()
 def test_cross_entropy_saved_by_another_op_fails_loudly():
     x = randn((4, 32), torch.float32, requires_grad=True)
     h = torch.sigmoid(x)  # sigmoid saves its output h for its backward
-    loss = F.cross_entropy(h, make_target(4, 32, "none"))
+    loss = TF.cross_entropy(h, make_target(4, 32, "none"), inplace=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
 
@@ -116,7 +117,7 @@ def test_z_loss_and_token_accuracy_outputs():
     logits = randn((n, v), torch.float32, scale=3.0)
     target = make_target(n, v)
     target[1::3] = logits[1::3].argmax(-1)  # some rows predicted right
-    loss, z_loss, accuracy = F.cross_entropy(logits.clone(), target, lse_square_scale=1e-3, return_z_loss=True,
+    loss, z_loss, accuracy = TF.cross_entropy(logits.clone(), target, lse_square_scale=1e-3, return_z_loss=True,
                                              return_token_accuracy=True)
     valid = target != -100
     lse = torch.logsumexp(logits.double(), -1)
@@ -125,7 +126,7 @@ def test_z_loss_and_token_accuracy_outputs():
     torch.testing.assert_close(accuracy.double(), expected_acc.double())
     torch.testing.assert_close(loss.double(), ref_cross_entropy(logits.double(), target, lse_square_scale=1e-3),
                                rtol=1e-5, atol=1e-6)
-    per_row = F.cross_entropy(logits.clone(), target, reduction="none", return_token_accuracy=True)[1]
+    per_row = TF.cross_entropy(logits.clone(), target, reduction="none", return_token_accuracy=True)[1]
     assert torch.equal(per_row, ((logits.argmax(-1) == target) & valid).float())
 
 
@@ -141,17 +142,17 @@ def test_cross_entropy_nd_input_and_module():
 def test_cross_entropy_bad_inputs():
     logits = randn((4, 10), torch.float32)
     with pytest.raises(ValueError, match="target holds 10, outside"):
-        F.cross_entropy(logits, torch.tensor([0, 1, 10, 2], device=DEVICE))
+        TF.cross_entropy(logits, torch.tensor([0, 1, 10, 2], device=DEVICE))
     with pytest.raises(ValueError, match="target holds -3"):
-        F.cross_entropy(logits, torch.tensor([0, -3, -100, 2], device=DEVICE))
-    with pytest.raises(ValueError, match="target has 3 rows"):
-        F.cross_entropy(logits, torch.tensor([0, 1, 2], device=DEVICE))
+        TF.cross_entropy(logits, torch.tensor([0, -3, -100, 2], device=DEVICE))
+    with pytest.raises(ValueError, match="target has shape \\(3,\\)"):
+        TF.cross_entropy(logits, torch.tensor([0, 1, 2], device=DEVICE))
     with pytest.raises(TypeError, match="target must be int64 or int32"):
-        F.cross_entropy(logits, torch.zeros(4, device=DEVICE))
+        TF.cross_entropy(logits, torch.zeros(4, device=DEVICE))
     with pytest.raises(ValueError, match="reduction"):
-        F.cross_entropy(logits, torch.zeros(4, dtype=torch.long, device=DEVICE), reduction="avg")
+        TF.cross_entropy(logits, torch.zeros(4, dtype=torch.long, device=DEVICE), reduction="avg")
     with pytest.raises(ValueError, match="weight has 9 entries"):
-        F.cross_entropy(logits, torch.zeros(4, dtype=torch.long, device=DEVICE), weight=torch.ones(9, device=DEVICE))
+        TF.cross_entropy(logits, torch.zeros(4, dtype=torch.long, device=DEVICE), weight=torch.ones(9, device=DEVICE))
 
 
 def test_unchecked_out_of_range_label_gives_nan_not_a_number(monkeypatch):
@@ -159,7 +160,7 @@ def test_unchecked_out_of_range_label_gives_nan_not_a_number(monkeypatch):
 
     monkeypatch.setattr(ce, "CHECK_LABELS", False)
     logits = randn((3, 10), torch.float32)
-    loss = F.cross_entropy(logits, torch.tensor([0, 12, 1], device=DEVICE))
+    loss = TF.cross_entropy(logits, torch.tensor([0, 12, 1], device=DEVICE))
     assert torch.isnan(loss)
 
 
@@ -169,7 +170,7 @@ def test_token_accuracy_ties_take_the_first_maximum_across_blocks():
     logits = randn((2, 10007), torch.float32)
     logits[:, 5] = logits[:, 9000] = 50.0
     target = torch.tensor([9000, 5], device=DEVICE)
-    per_row = F.cross_entropy(logits, target, reduction="none", return_token_accuracy=True)[1]
+    per_row = TF.cross_entropy(logits, target, reduction="none", return_token_accuracy=True)[1]
     assert per_row.tolist() == [0.0, 1.0]
 
 
@@ -178,7 +179,7 @@ def test_no_grad_leaves_logits_untouched():
     before = logits.detach().clone()
     target = make_target(6, 50)
     with torch.no_grad():
-        loss = F.cross_entropy(logits, target)
+        loss = TF.cross_entropy(logits, target)
     assert torch.equal(logits.detach(), before)
     torch.testing.assert_close(loss.double(), ref_cross_entropy(before.double(), target), rtol=1e-5, atol=1e-6)
 
@@ -187,7 +188,7 @@ def test_in_place_gradient_of_a_leaf_is_adopted_not_copied():
     """The gradient buffer handed to autograd is the logits' own memory, even for a leaf."""
     logits = randn((8, 40), torch.float32, requires_grad=True)
     ptr = logits.data_ptr()
-    F.cross_entropy(logits, make_target(8, 40)).backward()
+    TF.cross_entropy(logits, make_target(8, 40), inplace=True).backward()
     assert logits.grad.data_ptr() == ptr
 
 
@@ -199,7 +200,7 @@ def test_deferred_label_check_cpu_stays_immediate():
     if DEVICE != "cpu":
         pytest.skip("CPU tensors reach the kernels only under the interpreter")
     with deferred_label_checks(), pytest.raises(ValueError, match="target holds 12"):
-        F.cross_entropy(logits, torch.tensor([0, 12, 1]))
+        TF.cross_entropy(logits, torch.tensor([0, 12, 1]))
 
 
 @pytest.mark.gpu
@@ -211,11 +212,143 @@ def test_deferred_label_check_raises_at_a_later_call():
     logits = randn((3, 10), torch.float32)
     good = torch.tensor([0, 3, 1], device=DEVICE)
     with deferred_label_checks():
-        assert torch.isfinite(F.cross_entropy(logits, good))
+        assert torch.isfinite(TF.cross_entropy(logits, good))
         resolve_label_checks(wait=True)  # nothing bad queued: no error
-        loss = F.cross_entropy(logits, torch.tensor([0, 12, -100], device=DEVICE))
+        loss = TF.cross_entropy(logits, torch.tensor([0, 12, -100], device=DEVICE))
         assert torch.isnan(loss)
         torch.cuda.synchronize()
         with pytest.raises(ValueError, match="target held 12, outside \\[0, 10\\)"):
-            F.cross_entropy(logits, good)
+            TF.cross_entropy(logits, good)
     resolve_label_checks(wait=True)  # the queue is empty after the error
+
+
+def test_default_leaves_the_callers_logits_alone():
+    """As torch.nn.functional.cross_entropy: reading the logits after the loss (an entropy
+    metric, say) sees the logits, not their gradient."""
+    logits = randn((6, 77), torch.float32, requires_grad=True)
+    before = logits.detach().clone()
+    loss = TF.cross_entropy(logits, make_target(6, 77))
+    assert torch.equal(logits.detach(), before)
+    loss.backward()
+    assert torch.equal(logits.detach(), before)
+    assert TigonCrossEntropyLoss().inplace is False
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_rows_sharing_memory_get_their_own_gradient(inplace):
+    """Logits whose rows alias (an expanded [1, V] leaf): the gradient must not be written into
+    the memory the rows share; loss and gradient as torch's."""
+    base = randn((1, 37), torch.float32, scale=2.0, requires_grad=True)
+    target = torch.tensor([1, 2, 3, -100, 30], device=DEVICE)
+    loss = TF.cross_entropy(base.expand(5, 37), target, inplace=inplace)
+    loss.backward()
+    ref_base = base.detach().double().requires_grad_()
+    ref = ref_cross_entropy(ref_base.expand(5, 37), target)
+    ref.backward()
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(base.grad.double(), ref_base.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_backward_over_a_retained_graph_is_exact(inplace, reduction):
+    """0.5 * loss backward three times over a retained graph: 1.5x one backward, for a leaf
+    (whose .grad autograd may adopt) and a non-leaf's upstream parameter."""
+    w = randn((7, 40), torch.float32, requires_grad=True)
+    h = randn((9, 7), torch.float32)
+    target = make_target(9, 40)
+
+    def losses(fn):
+        rows = fn(h @ w, target)
+        return 0.5 * (rows.sum() if reduction == "none" else rows)
+
+    loss = losses(lambda z, t: TF.cross_entropy(z, t, reduction=reduction, inplace=inplace))
+    for _ in range(3):
+        loss.backward(retain_graph=True)
+    w64 = w.detach().double().requires_grad_()
+    ref = losses(lambda z, t: ref_cross_entropy(h.double() @ w64, t, reduction=reduction))
+    ref.backward()
+    torch.testing.assert_close(w.grad.double(), 3 * w64.grad, rtol=1e-5, atol=1e-7)
+    leaf = randn((9, 40), torch.float32, requires_grad=True)
+    loss = 0.5 * TF.cross_entropy(leaf * 1, target, inplace=inplace)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    leaf64 = leaf.detach().double().requires_grad_()
+    (0.5 * ref_cross_entropy(leaf64, target)).backward()
+    torch.testing.assert_close(leaf.grad.double(), 2 * leaf64.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("ignore_index", [7, 40, 0])
+def test_ignore_index_may_be_any_class_or_outside_the_vocabulary(ignore_index):
+    """torch accepts ignore_index >= V (and inside [0, V)): so must tigon."""
+    logits = randn((6, 40), torch.float32, requires_grad=True)
+    target = torch.tensor([1, ignore_index, 3, ignore_index, 39, 5], device=DEVICE)
+    check_op(lambda x: TF.cross_entropy(x, target, ignore_index=ignore_index),
+             lambda x: ref_cross_entropy(x, target, ignore_index=ignore_index), [logits], dtype=torch.float32)
+
+
+def test_shapes_like_torch_and_clear_errors():
+    logits = randn((33,), torch.float32, requires_grad=True)  # one unbatched row, as torch allows
+    target = torch.tensor(4, device=DEVICE)
+    check_op(lambda x: TF.cross_entropy(x, target), lambda x: ref_cross_entropy(x[None], target[None]),
+             [logits], dtype=torch.float32)
+    with pytest.raises(ValueError, match="logits must be a tensor"):
+        TF.cross_entropy(torch.tensor(1.0, device=DEVICE), torch.tensor(0, device=DEVICE))
+    with pytest.raises(ValueError, match="target has shape \\(5, 2\\)"):
+        TF.cross_entropy(randn((2, 5, 9), torch.float32), torch.zeros(5, 2, dtype=torch.long, device=DEVICE))
+    with pytest.raises(TypeError, match="float64"):
+        TF.cross_entropy(randn((2, 9), torch.float32).double(), torch.zeros(2, dtype=torch.long, device=DEVICE))
+
+
+def test_strided_and_expanded_targets_and_class_weights():
+    """Targets and class weights are read by the kernel: any layout must give torch's result."""
+    logits = randn((6, 50), torch.float32, requires_grad=True)
+    target = torch.randint(0, 50, (12,), device=DEVICE)[::2]
+    weight = (torch.rand(100, device=DEVICE) + 0.5)[::2]
+    check_op(lambda x: TF.cross_entropy(x, target, weight=weight, label_smoothing=0.1),
+             lambda x: ref_cross_entropy(x, target, weight=weight, label_smoothing=0.1), [logits],
+             dtype=torch.float32)
+    same = torch.tensor(3, device=DEVICE).expand(6)
+    check_op(lambda x: TF.cross_entropy(x, same), lambda x: ref_cross_entropy(x, same), [logits], dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype, offset", [(torch.float32, 1e4), (torch.float16, 6e4)])
+def test_large_logits_keep_their_precision(dtype, offset):
+    """Probabilities formed from the row maximum, not from exp(z - lse) with lse rounded at the
+    logits' magnitude: gradient and loss as accurate as eager torch on the same logits."""
+    base = torch.randn(8, 300, device=DEVICE) * 2 + offset
+    logits = base.clamp(max=torch.finfo(dtype).max).to(dtype)
+    target = make_target(8, 300)
+    x = logits.clone().requires_grad_()
+    loss = TF.cross_entropy(x, target)
+    loss.backward()
+    x64 = logits.double().requires_grad_()
+    ref = ref_cross_entropy(x64, target)
+    ref.backward()
+    x_eager = logits.clone().requires_grad_()
+    eager = ref_cross_entropy(x_eager, target)  # computed in fp32, gradient rounded to dtype
+    eager.backward()
+    grad_err = (x.grad.double() - x64.grad).abs().max().item()
+    eager_err = (x_eager.grad.double() - x64.grad).abs().max().item()
+    assert grad_err <= max(4 * eager_err, 1e-7), (grad_err, eager_err)
+    assert abs(loss.item() - ref.item()) <= max(4 * abs(eager.item() - ref.item()), 1e-5)
+
+
+def test_predicted_tokens_and_token_scaling():
+    n, v = 10, 2000
+    logits = randn((2, n // 2, v), torch.float32, scale=3.0, requires_grad=True)
+    target = make_target(n, v).view(2, n // 2)
+    loss, accuracy, predicted = TF.cross_entropy(logits, target, return_token_accuracy=True,
+                                                 return_predicted_tokens=True)
+    valid = target != -100
+    expected = torch.where(valid, logits.detach().argmax(-1), -1)
+    assert predicted.dtype == torch.int64 and torch.equal(predicted, expected)
+    torch.testing.assert_close(accuracy, ((expected == target) & valid).sum() / valid.sum())
+
+    def scaled_ref(x):
+        rows = ref_cross_entropy(x.reshape(n, v), target.reshape(n), reduction="none")
+        p_y = torch.exp(-rows).detach()  # p(target), no gradient through it (0 where ignored)
+        return (rows * p_y * valid.reshape(n)).sum() / valid.sum()
+
+    check_op(lambda x: TF.cross_entropy(x, target, use_token_scaling=True), scaled_ref, [logits],
+             dtype=torch.float32)

@@ -3,7 +3,7 @@ import torch
 
 from tests.helpers import DEVICE, DTYPES, check_op, pick, randn
 from tests.ops.test_cross_entropy import make_target, ref_cross_entropy
-from tigon import functional as F
+from tigon import functional as TF
 from tigon.ops import TiedGradSlot
 from tigon.ops.embedding import SEGMENT_ROWS, embedding_backward_accumulate_
 
@@ -31,7 +31,7 @@ def test_embedding_matches_torch(shape, dtype, padding_idx):
     vocab, hidden, ids_shape = shape
     ids = make_ids(vocab, ids_shape)
     w = randn((vocab, hidden), dtype, requires_grad=True)
-    check_op(lambda w: F.embedding(ids, w, padding_idx), lambda w: ref_embedding(ids, w, padding_idx), [w],
+    check_op(lambda w: TF.embedding(ids, w, padding_idx), lambda w: ref_embedding(ids, w, padding_idx), [w],
              dtype=dtype, what=f"embedding[{ids_shape}, padding_idx={padding_idx}]")
 
 
@@ -48,18 +48,18 @@ def test_embedding_backward_adds_into_existing_gradient():
 def test_embedding_all_padding_gets_no_gradient():
     w = randn((13, 8), torch.float32, requires_grad=True)
     ids = torch.full((4, 9), 5, device=DEVICE)
-    F.embedding(ids, w, padding_idx=5).sum().backward()
+    TF.embedding(ids, w, padding_idx=5).sum().backward()
     assert torch.equal(w.grad, torch.zeros_like(w))
 
 
 def test_embedding_bad_inputs():
     w = randn((13, 8), torch.float32)
     with pytest.raises(TypeError, match="ids"):
-        F.embedding(torch.zeros(3, device=DEVICE), w)
+        TF.embedding(torch.zeros(3, device=DEVICE), w)
     with pytest.raises(ValueError, match="padding_idx"):
-        F.embedding(torch.zeros(3, dtype=torch.long, device=DEVICE), w, padding_idx=13)
+        TF.embedding(torch.zeros(3, dtype=torch.long, device=DEVICE), w, padding_idx=13)
     with pytest.raises(ValueError, match="weight"):
-        F.embedding(torch.zeros(3, dtype=torch.long, device=DEVICE), w[0])
+        TF.embedding(torch.zeros(3, dtype=torch.long, device=DEVICE), w[0])
 
 
 # ---- tied input embedding and FLCE head sharing one gradient buffer ----
@@ -85,8 +85,8 @@ class SpySlot(TiedGradSlot):
 
 def tied_lm(ids, w, mix, target, slot=None, **flce):
     """A tiny tied-embedding LM: embed, one linear mix, FLCE through the same weight."""
-    h = F.embedding(ids, w, tied_slot=slot) @ mix
-    return F.fused_linear_cross_entropy(h, w, target.view(-1), tied_slot=slot, **flce)
+    h = TF.embedding(ids, w, tied_slot=slot) @ mix
+    return TF.fused_linear_cross_entropy(h, w, target.view(-1), tied_slot=slot, **flce)
 
 
 def ref_tied_lm(ids, w, mix, target, reduction="mean"):
@@ -155,7 +155,7 @@ def test_tied_slot_falls_back_when_the_embedding_does_not_run_backward():
     # No embedding call in the forward (inputs_embeds-style): the slot has no node, same fallback.
     slot = SpySlot()
     h = torch.nn.functional.embedding(ids, w) @ mix
-    F.fused_linear_cross_entropy(h, w, target.view(-1), tied_slot=slot).backward()
+    TF.fused_linear_cross_entropy(h, w, target.view(-1), tied_slot=slot).backward()
     w64 = w.detach().double().requires_grad_(True)
     ref_tied_lm(ids, w64, mix.detach().double(), target).backward()
     assert slot.offered == [(slot.offered[0][0], False)]

@@ -3,7 +3,7 @@ import torch
 
 from tests.helpers import DEVICE, DTYPES, check_op, pick, randn
 from tests.ops.test_cross_entropy import make_target, ref_cross_entropy
-from tigon import functional as F
+from tigon import functional as TF
 from tigon.nn import TigonFusedLinearCrossEntropyLoss
 from tigon.ops.fused_linear_cross_entropy import chunk_rows_for_budget
 
@@ -30,7 +30,7 @@ def run_case(shape, dtype, w_dtype=None, bias=False, reduction="mean", ignore="s
     chunk_budget = BUDGETS[budget](n, v, x.element_size())
     # bf16: logits are rounded once more than in eager torch (the chunk buffer), and the stored
     # gradients are rescaled by grad_output in the backward: allow two roundings.
-    check_op(lambda x, w, b: F.fused_linear_cross_entropy(x, w, target, b, reduction=reduction,
+    check_op(lambda x, w, b: TF.fused_linear_cross_entropy(x, w, target, b, reduction=reduction,
                                                           chunk_budget=chunk_budget, **opts),
              lambda x, w, b: ref_flce(x, w, target, b, reduction=reduction, **opts),
              [x, w, b], dtype=dtype, tol=1e-4 if dtype == torch.float32 else 2e-2,
@@ -68,7 +68,7 @@ def test_flce_cross_entropy_options(option, dtype):
     ours = dict(opts)
     if "weight" in ours:
         ours["ce_weight"] = ours.pop("weight")
-    check_op(lambda x, w: F.fused_linear_cross_entropy(x, w, target, chunk_budget=8 * v * 4, **ours),
+    check_op(lambda x, w: TF.fused_linear_cross_entropy(x, w, target, chunk_budget=8 * v * 4, **ours),
              lambda x, w: ref_flce(x, w, target, **opts), [x, w], dtype=dtype,
              tol=1e-4 if dtype == torch.float32 else 2e-2, what=f"flce[{option}]",
              noise_floor=2 * 2**-8 if dtype == torch.bfloat16 else 2e-5, worse_than_eager=3.0)
@@ -84,7 +84,7 @@ def test_flce_fp32_dw_accumulator_matches():
     x = randn((n, h), torch.float32, requires_grad=True)
     w = randn((v, h), torch.float32, scale=0.3, requires_grad=True)
     target = make_target(n, v)
-    check_op(lambda x, w: F.fused_linear_cross_entropy(x, w, target, chunk_budget=8 * v * 4,
+    check_op(lambda x, w: TF.fused_linear_cross_entropy(x, w, target, chunk_budget=8 * v * 4,
                                                        accum_dtype=torch.float32),
              lambda x, w: ref_flce(x, w, target), [x, w], dtype=torch.float32, tol=1e-4, noise_floor=2e-5)
 
@@ -100,7 +100,7 @@ def test_flce_tied_embeddings_accumulate_both_gradients():
         x = torch.tanh(w[ids] * 2.0)
         return loss_fn(x, w)
 
-    model(w, lambda x, w: F.fused_linear_cross_entropy(x, w, target, chunk_budget=4 * v * 4)).backward()
+    model(w, lambda x, w: TF.fused_linear_cross_entropy(x, w, target, chunk_budget=4 * v * 4)).backward()
     w64 = w.detach().double().requires_grad_()
     model(w64, lambda x, w: ref_flce(x, w, target)).backward()
     torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-5, atol=1e-6)
@@ -111,14 +111,14 @@ def test_flce_3d_input_and_token_accuracy():
     x = randn((b, t, h), torch.float32)
     w = randn((v, h), torch.float32)
     target = torch.randint(0, v, (b, t), device=DEVICE)
-    loss, z, acc = F.fused_linear_cross_entropy(x, w, target, lse_square_scale=1e-2, return_z_loss=True,
+    loss, z, acc = TF.fused_linear_cross_entropy(x, w, target, lse_square_scale=1e-2, return_z_loss=True,
                                                 return_token_accuracy=True)
     logits = x.double() @ w.double().t()
     torch.testing.assert_close(loss.double(), ref_cross_entropy(logits.reshape(-1, v), target.reshape(-1),
                                                                 lse_square_scale=1e-2), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(z.double(), 1e-2 * torch.logsumexp(logits, -1).pow(2).mean(), rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(acc.double(), (logits.argmax(-1) == target).double().mean())
-    rows = F.fused_linear_cross_entropy(x, w, target, reduction="none")
+    rows = TF.fused_linear_cross_entropy(x, w, target, reduction="none")
     assert rows.shape == (b, t)
 
 
@@ -151,15 +151,15 @@ def test_flce_bad_inputs():
     w = randn((10, 8), torch.float32)
     y = torch.zeros(4, dtype=torch.long, device=DEVICE)
     with pytest.raises(ValueError, match="weight has shape"):
-        F.fused_linear_cross_entropy(x, randn((10, 7), torch.float32), y)
+        TF.fused_linear_cross_entropy(x, randn((10, 7), torch.float32), y)
     with pytest.raises(ValueError, match="target has 3 elements but x has 4 rows"):
-        F.fused_linear_cross_entropy(x, w, y[:3])
+        TF.fused_linear_cross_entropy(x, w, y[:3])
     with pytest.raises(ValueError, match="bias has 9 entries"):
-        F.fused_linear_cross_entropy(x, w, y, bias=randn((9,), torch.float32))
+        TF.fused_linear_cross_entropy(x, w, y, bias=randn((9,), torch.float32))
     with pytest.raises(ValueError, match="target holds 10"):
-        F.fused_linear_cross_entropy(x, w, torch.tensor([0, 10, 1, 2], device=DEVICE))
+        TF.fused_linear_cross_entropy(x, w, torch.tensor([0, 10, 1, 2], device=DEVICE))
     with pytest.raises(ValueError, match="reduction"):
-        F.fused_linear_cross_entropy(x, w, y, reduction="mean_tokens")
+        TF.fused_linear_cross_entropy(x, w, y, reduction="mean_tokens")
 
 
 def test_flce_under_no_grad_computes_the_loss_only(monkeypatch):
@@ -177,7 +177,7 @@ def test_flce_under_no_grad_computes_the_loss_only(monkeypatch):
     w = randn((20, 8), torch.float32, requires_grad=True)
     target = make_target(9, 20)
     with torch.no_grad():
-        loss = F.fused_linear_cross_entropy(x, w, target)
+        loss = TF.fused_linear_cross_entropy(x, w, target)
     assert seen == [(False, False)]
     torch.testing.assert_close(loss.double(), ref_flce(x.detach().double(), w.detach().double(), target),
                                rtol=1e-5, atol=1e-6)
@@ -193,8 +193,8 @@ def test_cross_entropy_and_flce_capture_in_a_cuda_graph():
     ce_weight = torch.rand(v, device=DEVICE) + 0.5
 
     def step():
-        a = F.fused_linear_cross_entropy(x, w, target, ce_weight=ce_weight, label_smoothing=0.1)
-        b = F.cross_entropy(x.float() @ w.float().t(), target, inplace=False)
+        a = TF.fused_linear_cross_entropy(x, w, target, ce_weight=ce_weight, label_smoothing=0.1)
+        b = TF.cross_entropy(x.float() @ w.float().t(), target, inplace=False)
         (a + b).backward()
         return a, b
 
@@ -211,3 +211,63 @@ def test_cross_entropy_and_flce_capture_in_a_cuda_graph():
     torch.cuda.synchronize()
     for got, want in zip(captured, eager):
         torch.testing.assert_close(got, want)
+
+
+def test_flce_zero_rows_and_bad_options():
+    w = randn((20, 8), torch.float32, requires_grad=True)
+    x = randn((0, 8), torch.float32, requires_grad=True)
+    loss = TF.fused_linear_cross_entropy(x, w, torch.zeros(0, dtype=torch.long, device=DEVICE))
+    assert loss.item() == 0.0
+    loss.backward()
+    assert x.grad.shape == (0, 8) and torch.equal(w.grad, torch.zeros_like(w))
+    rows = TF.fused_linear_cross_entropy(x, w, torch.zeros(0, dtype=torch.long, device=DEVICE), reduction="none")
+    assert rows.shape == (0,)
+    x = randn((4, 8), torch.float32)
+    y = torch.zeros(4, dtype=torch.long, device=DEVICE)
+    for budget in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="chunk_budget must be a positive number of bytes"):
+            TF.fused_linear_cross_entropy(x, w, y, chunk_budget=budget)
+    with pytest.raises(ValueError, match="accum_dtype"):
+        TF.fused_linear_cross_entropy(x, w, y, accum_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_flce_backward_over_a_retained_graph_is_exact(reduction):
+    """The gradients formed in the forward pass are scaled by grad_output in the backward: over a
+    retained graph every backward must see them unscaled (x, a leaf, whose .grad autograd may
+    adopt; W; the bias)."""
+    n, h, v = 13, 8, 50
+    x = randn((n, h), torch.float32, requires_grad=True)
+    w = randn((v, h), torch.float32, requires_grad=True)
+    b = randn((v,), torch.float32, requires_grad=True)
+    target = make_target(n, v)
+
+    def half_loss(fn, x, w, b):
+        out = fn(x, w, target, b, reduction=reduction)
+        return 0.5 * (out.sum() if reduction == "none" else out)
+
+    loss = half_loss(lambda *a, **k: TF.fused_linear_cross_entropy(*a, **k, chunk_budget=4 * v * 4), x, w, b)
+    for _ in range(3):
+        loss.backward(retain_graph=True)
+    refs = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    half_loss(ref_flce, *refs).backward()
+    for ours, ref in zip((x, w, b), refs):
+        torch.testing.assert_close(ours.grad.double(), 3 * ref.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_flce_token_scaling_predicted_tokens_and_strided_target():
+    n, h, v = 12, 8, 300
+    x = randn((n, h), torch.float32, requires_grad=True)
+    w = randn((v, h), torch.float32, scale=1.0, requires_grad=True)
+    target = make_target(2 * n, v)[::2]
+
+    def scaled_ref(x, w):
+        rows = ref_flce(x, w, target, reduction="none")
+        valid = target != -100
+        return (rows * torch.exp(-rows).detach() * valid).sum() / valid.sum()
+
+    check_op(lambda x, w: TF.fused_linear_cross_entropy(x, w, target, use_token_scaling=True, chunk_budget=4 * v * 4),
+             scaled_ref, [x, w], dtype=torch.float32, tol=1e-4, noise_floor=2e-5)
+    _, predicted = TF.fused_linear_cross_entropy(x, w, target, return_predicted_tokens=True)
+    expected = torch.where(target != -100, (x.detach().double() @ w.detach().double().t()).argmax(-1), -1)
+    assert torch.equal(predicted, expected)

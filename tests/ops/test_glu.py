@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from tests.helpers import DTYPES, check_op, pick, randn, up
-from tigon import functional as F
-from tigon.ops import GLUDownProjFunction, glu_linear
+from tigon import functional as TF
+from tigon.ops import GLUDownProjFunction, glu_mlp
 
 SHAPES = pick(cpu=[(2, 3, 37), (5, 1100), (1, 7)], gpu=[(4, 1024, 14336), (8191, 11008), (3, 4099)])
 
@@ -19,8 +19,8 @@ def ref_glu(a, b, activation):
 
 def ours(activation):
     if activation == "silu":
-        return F.swiglu
-    return lambda a, b: F.geglu(a, b, approximate="tanh" if activation == "gelu_tanh" else "none")
+        return TF.swiglu
+    return lambda a, b: TF.geglu(a, b, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -36,7 +36,7 @@ def test_glu_matches_reference(shape, dtype, activation, non_contiguous):
 def test_glu_on_halves_of_a_fused_projection():
     """a and b as the two halves of one gate_up output: strided views, read without a copy."""
     gate_up = randn(pick((6, 2 * 45), (4096, 2 * 8192)), torch.bfloat16, requires_grad=True)
-    check_op(lambda g: F.swiglu(*g.chunk(2, dim=-1)), lambda g: ref_glu(*g.chunk(2, dim=-1), "silu"),
+    check_op(lambda g: TF.swiglu(*g.chunk(2, dim=-1)), lambda g: ref_glu(*g.chunk(2, dim=-1), "silu"),
              [gate_up], dtype=torch.bfloat16)
 
 
@@ -47,7 +47,7 @@ def test_glu_on_halves_of_a_fused_projection():
 def test_glu_down_proj_matches_reference(dtype, activation, bias, row_slices, monkeypatch):
     """Whole, and with the forward in row slices (4 on the CPU: 3, 3, 3, 1 rows)."""
     if row_slices:
-        monkeypatch.setattr(glu_linear, "MIN_SLICE_ROWS", 1)
+        monkeypatch.setattr(glu_mlp, "DOWN_PROJ_MIN_SLICE_ROWS", 1)
     tokens, hidden, inter = pick((2, 5, 24), (2, 1024, 4096))[:2], pick(24, 2048), pick(40, 5632)
     a = randn((*tokens, inter), dtype, scale=2.0, requires_grad=True)
     b = randn((*tokens, inter), dtype, requires_grad=True)
@@ -59,14 +59,14 @@ def test_glu_down_proj_matches_reference(dtype, activation, bias, row_slices, mo
 
     # The down projection is a matmul: in fp32 it may run in tf32 on the GPU.
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-3
-    check_op(lambda a, b, w, bvec: F.glu_down_proj(a, b, w, bvec, activation), ref, [a, b, w, bvec],
+    check_op(lambda a, b, w, bvec: TF.glu_down_proj(a, b, w, bvec, activation), ref, [a, b, w, bvec],
              dtype=dtype, tol=tol, what=f"glu_down_proj[{activation}, row slices {row_slices}]")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("reuse_inputs", [False, True])
+@pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("fused_halves", [False, True])
-def test_glu_down_proj_backward_in_column_slices(dtype, reuse_inputs, fused_halves):
+def test_glu_down_proj_backward_in_column_slices(dtype, inplace, fused_halves):
     """The backward in ragged column slices (3 slices of 16, 16, 8 columns on the CPU), writing
     da / db over a / b or not, with a and b as plain tensors or halves of one gate_up output."""
     tokens, hidden, inter = pick((3, 7), (2, 1023)), pick(24, 2048), pick(40, 5632 + 64)
@@ -82,7 +82,7 @@ def test_glu_down_proj_backward_in_column_slices(dtype, reuse_inputs, fused_halv
         return gate_up[..., :inter].contiguous(), gate_up[..., inter:].contiguous()
 
     def fn(x, wg, wd):
-        return GLUDownProjFunction.apply(*projections(x, wg), wd, None, "silu", reuse_inputs, slice_columns)
+        return GLUDownProjFunction.apply(*projections(x, wg), wd, None, "silu", inplace, 1.0, 1.0, slice_columns)
 
     def ref(x, wg, wd):
         return torch.nn.functional.linear(ref_glu(*projections(x, wg), "silu"), wd)
@@ -91,32 +91,62 @@ def test_glu_down_proj_backward_in_column_slices(dtype, reuse_inputs, fused_halv
     check_op(fn, ref, [x, wg, wd], dtype=dtype, tol=tol, what="glu_down_proj slices")
 
 
-def test_glu_down_proj_reuse_inputs_guards():
+def test_glu_down_proj_inplace_guards():
     """After writing over a and b, a second backward raises, and so does another reader of a."""
     a0 = randn((5, 40), torch.float32, requires_grad=True)
     b0 = randn((5, 40), torch.float32, requires_grad=True)
     w = randn((8, 40), torch.float32, requires_grad=True)
-    out = F.glu_down_proj(a0 * 2, b0 * 2, w, reuse_inputs=True).sum()
+    out = TF.glu_down_proj(a0 * 2, b0 * 2, w, inplace=True).sum()
     out.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward twice"):
         out.backward()
     a = a0 * 2
     other = (a**2).sum()  # created first, so its backward runs after the GLU's and reads a
-    out = F.glu_down_proj(a, b0 * 2, w, reuse_inputs=True).sum()
+    out = TF.glu_down_proj(a, b0 * 2, w, inplace=True).sum()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         (out + other).backward()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_glu_multipliers_match_reference(dtype, activation):
+    """Falcon-H1's MLP: act(a * gate_multiplier) * b, and the output scaled by down_multiplier,
+    in the elementwise op and in the fused down projection (with a bias: (c W^T + bias) * d)."""
+    a = randn((3, 37), dtype, scale=2.0, requires_grad=True)
+    b = randn((3, 37), dtype, requires_grad=True)
+    approximate = "tanh" if activation == "gelu_tanh" else "none"
+    fn = (lambda a, b: TF.swiglu(a, b, gate_multiplier=0.7)) if activation == "silu" else \
+        (lambda a, b: TF.geglu(a, b, approximate, gate_multiplier=0.7))
+    check_op(fn, lambda a, b: ref_glu(a * 0.7, b, activation), [a, b], dtype=dtype, what="glu multipliers")
+    w = randn((24, 37), dtype, scale=37**-0.5, requires_grad=True)
+    bias = randn((24,), dtype, requires_grad=True)
+
+    def ref(a, b, w, bias):
+        return torch.nn.functional.linear(ref_glu(a * 0.7, b, activation), w, bias) * 1.3
+
+    check_op(lambda a, b, w, bias: TF.glu_down_proj(a, b, w, activation=activation, gate_multiplier=0.7,
+                                                    down_multiplier=1.3, down_bias=bias),
+             ref, [a, b, w, bias], dtype=dtype, tol=1e-2 if dtype == torch.bfloat16 else 1e-3, what="glu_down_proj")
+
+
+def test_activation_names():
+    from tigon.ops.glu import activation_name
+
+    assert activation_name("gelu_pytorch_tanh") == "gelu_tanh" and activation_name("swish") == "silu"
+    with pytest.raises(ValueError, match="activation 'relu' is not one tigon fuses"):
+        activation_name("relu")
 
 
 def test_glu_bad_inputs():
     a = randn((4, 16), torch.float32)
     with pytest.raises(ValueError, match="b has shape"):
-        F.swiglu(a, randn((4, 15), torch.float32))
+        TF.swiglu(a, randn((4, 15), torch.float32))
     with pytest.raises(TypeError, match="b has dtype"):
-        F.swiglu(a, randn((4, 16), torch.bfloat16))
+        TF.swiglu(a, randn((4, 16), torch.bfloat16))
     with pytest.raises(ValueError, match="approximate"):
-        F.geglu(a, a, approximate="sigmoid")
+        TF.geglu(a, a, approximate="sigmoid")
     with pytest.raises(ValueError, match="down_weight"):
-        F.glu_down_proj(a, a, randn((8, 15), torch.float32))
+        TF.glu_down_proj(a, a, randn((8, 15), torch.float32))
 
 
 @pytest.mark.gpu
@@ -126,7 +156,7 @@ def test_swiglu_past_2_31_elements():
     rows = 2**31 // cols + 16
     a = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16).requires_grad_()
     b = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16).requires_grad_()
-    c = F.swiglu(a, b)
+    c = TF.swiglu(a, b)
     dc = torch.randn_like(c)
     da, db = torch.autograd.grad(c, (a, b), dc)
     tail = slice(rows - 32, rows)

@@ -4,8 +4,8 @@ import torch.utils.checkpoint as checkpoint_module
 
 from tests.helpers import DEVICE, DTYPES, check_op, pick, randn, rel_err
 from tests.ops.test_glu import ref_glu
-from tigon import functional as F
-from tigon.ops import GLUMLPFunction
+from tigon import functional as TF
+from tigon.ops import GLUMLPFunction, glu_mlp
 
 # (tokens, hidden, intermediate); on the CPU the intermediate is cut into 3 ragged slices of 16.
 TOKENS, HIDDEN, INTER = pick((2, 5), (2, 1023)), pick(24, 2048), pick(40, 5632 + 64)
@@ -37,7 +37,7 @@ def test_glu_mlp_matches_reference(dtype, activation, slices, non_contiguous):
     slice_columns = SLICE if slices == "ragged" else None
 
     def ours(x, wg, wu, wd):
-        return GLUMLPFunction.apply(x, wg, wu, wd, activation, slice_columns)
+        return GLUMLPFunction.apply(x, wg, wu, wd, activation, 1.0, 1.0, slice_columns)
 
     check_op(ours, lambda *t: ref_mlp(*t, activation), [x, *make_weights(dtype)], dtype=dtype, tol=tol(dtype),
              what=f"glu_mlp[{activation}, {slices}, non_contiguous={non_contiguous}]")
@@ -45,13 +45,13 @@ def test_glu_mlp_matches_reference(dtype, activation, slices, non_contiguous):
 
 def test_glu_mlp_frozen_weights():
     x = randn((*TOKENS, HIDDEN), torch.float32, requires_grad=True)
-    check_op(lambda x, wg, wu, wd: F.glu_mlp(x, wg, wu, wd), ref_mlp, [x, *make_weights(torch.float32, False)],
+    check_op(lambda x, wg, wu, wd: TF.glu_mlp(x, wg, wu, wd), ref_mlp, [x, *make_weights(torch.float32, False)],
              dtype=torch.float32, tol=1e-3, what="glu_mlp, frozen weights")
 
 
 def layer(x, weights, tail):
     """A Llama-style half layer: residual + MLP(scaled x), then ``tail`` (what follows the MLP)."""
-    return tail(x + F.glu_mlp(x * 1.5, *weights))
+    return tail(x + TF.glu_mlp(x * 1.5, *weights))
 
 
 def ref_layer(x, weights, tail):
@@ -64,9 +64,18 @@ TAILS = {
 }
 
 
+def count_skips(monkeypatch):
+    """Records each forward's answer to "does checkpoint's recomputation stop right after me"."""
+    answers = []
+    stops_after = glu_mlp.checkpoint_recompute_stops_after
+    monkeypatch.setattr(glu_mlp, "checkpoint_recompute_stops_after",
+                        lambda n: answers.append(stops_after(n)) or answers[-1])
+    return answers
+
+
 @pytest.mark.parametrize("tail", list(TAILS))
 @pytest.mark.parametrize("early_stop", [True, False])
-def test_glu_mlp_under_checkpoint(tail, early_stop):
+def test_glu_mlp_under_checkpoint(tail, early_stop, monkeypatch):
     """Under torch.utils.checkpoint (non-reentrant): gradients match, and the forward's matmuls
     are skipped in the recomputation exactly when checkpoint stops right after the MLP."""
     x = randn((*TOKENS, HIDDEN), torch.float32, requires_grad=True)
@@ -74,26 +83,37 @@ def test_glu_mlp_under_checkpoint(tail, early_stop):
     x64, weights64 = (x.detach().double().requires_grad_(True),
                       [w.detach().double().requires_grad_(True) for w in weights])
     cotangent = torch.randn(x.shape, device=DEVICE, dtype=torch.float64)
-    skipped = GLUMLPFunction.skipped_recomputes
+    skips = count_skips(monkeypatch)
     with checkpoint_module.set_checkpoint_early_stop(early_stop):
         out = checkpoint_module.checkpoint(layer, x, weights, TAILS[tail], use_reentrant=False)
         out.backward(cotangent.float())
     ref_layer(x64, weights64, TAILS[tail]).backward(cotangent)
     expect_skip = early_stop and tail == "nothing"
-    assert GLUMLPFunction.skipped_recomputes - skipped == int(expect_skip)
+    assert sum(skips) == int(expect_skip)
     for name, got, want in zip(["x", "gate", "up", "down"], [x, *weights], [x64, *weights64]):
         err = rel_err(got.grad, want.grad)
         assert err <= tol(torch.float32), f"gradient of {name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_glu_mlp_multipliers(dtype):
+    x = randn((*TOKENS, HIDDEN), dtype, requires_grad=True)
+
+    def ref(x, wg, wu, wd):
+        return torch.nn.functional.linear(ref_glu(x @ wg.t() * 0.7, x @ wu.t(), "silu"), wd) * 1.3
+
+    check_op(lambda x, wg, wu, wd: TF.glu_mlp(x, wg, wu, wd, gate_multiplier=0.7, down_multiplier=1.3), ref,
+             [x, *make_weights(dtype)], dtype=dtype, tol=tol(dtype), what="glu_mlp multipliers")
 
 
 def test_glu_mlp_bad_inputs():
     x = randn((3, HIDDEN), torch.float32)
     wg, wu, wd = make_weights(torch.float32, False)
     with pytest.raises(ValueError, match="up_weight"):
-        F.glu_mlp(x, wg, wu[:, :-1], wd)
+        TF.glu_mlp(x, wg, wu[:, :-1], wd)
     with pytest.raises(ValueError, match="down_weight"):
-        F.glu_mlp(x, wg, wu, wd.t())
+        TF.glu_mlp(x, wg, wu, wd.t())
     with pytest.raises(ValueError, match="activation"):
-        F.glu_mlp(x, wg, wu, wd, activation="relu")
+        TF.glu_mlp(x, wg, wu, wd, activation="relu")
     with pytest.raises(TypeError, match="gate_weight"):
-        F.glu_mlp(x, wg.double(), wu, wd)
+        TF.glu_mlp(x, wg.double(), wu, wd)

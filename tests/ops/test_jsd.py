@@ -3,23 +3,28 @@ import math
 import pytest
 import torch
 
-from tests.helpers import DTYPES, check_op, pick, randn
-from tigon import functional as F
+from tests.helpers import DTYPES, check_op, pick, randn, rel_err
+from tigon import functional as TF
+from tigon.ops.jsd import jsd_rows
 
 # (rows, student hidden, teacher hidden, vocab): odd sizes; V over one kernel block on the CPU.
 SHAPES = pick(cpu=[(13, 24, 40, 301), (4, 16, 8, 9001)], gpu=[(2048, 4096, 2048, 128256), (999, 1024, 1536, 32001)])
 
 
-def ref_jsd_rows(s_logits, t_logits, beta, temperature):
-    """TRL's generalised JSD per row, in the logits' dtype (float64 for the reference)."""
-    s = torch.log_softmax(s_logits / temperature, -1)
-    t = torch.log_softmax(t_logits / temperature, -1)
+def jsd_of_logprobs(s, t, beta):
+    """TRL's / Liger's generalised JSD per row of log-probabilities s (student), t (teacher)."""
     if beta == 0:
         return (t.exp() * (t - s)).sum(-1)
     if beta == 1:
         return (s.exp() * (s - t)).sum(-1)
     m = torch.logsumexp(torch.stack((s + math.log(1 - beta), t + math.log(beta))), 0)
     return beta * (t.exp() * (t - m)).sum(-1) + (1 - beta) * (s.exp() * (s - m)).sum(-1)
+
+
+def ref_jsd_rows(s_logits, t_logits, beta, temperature):
+    """TRL's generalised JSD per row of logits, in their dtype (float64 for the reference)."""
+    return jsd_of_logprobs(torch.log_softmax(s_logits / temperature, -1), torch.log_softmax(t_logits / temperature, -1),
+                           beta)
 
 
 def ref_linear_jsd(x, w, tx, tw, b, beta, temperature):
@@ -42,7 +47,7 @@ def test_linear_jsd_matches_reference(shape, dtype, beta, temperature):
     b = randn((v,), dtype, scale=0.5, requires_grad=True) if beta == 0.5 else None
     tx = randn((n, ht), dtype)
     tw = randn((v, ht), dtype, scale=ht**-0.5 * 3)
-    check_op(lambda x, w, b: F.linear_jsd(x, w, tx, tw, b, beta=beta, temperature=temperature),
+    check_op(lambda x, w, b: TF.linear_jsd(x, w, tx, tw, b, beta=beta, temperature=temperature),
              lambda x, w, b: ref_linear_jsd(x, w, tx.to(x.dtype), tw.to(x.dtype), b, beta, temperature),
              [x, w, b], dtype=dtype, tol=1e-4 if dtype == torch.float32 else 3e-2,
              noise_floor=4 * 2**-8 if dtype == torch.bfloat16 else 2e-5, worse_than_eager=3.0,
@@ -54,7 +59,7 @@ def test_linear_jsd_identical_models_give_zero():
     x = randn((7, 16), torch.float32, requires_grad=True)
     w = randn((301, 16), torch.float32, requires_grad=True)
     for beta in (0.0, 0.3, 1.0):
-        loss = F.linear_jsd(x, w, x.detach(), w.detach(), beta=beta)
+        loss = TF.linear_jsd(x, w, x.detach(), w.detach(), beta=beta)
         assert loss.abs().max() < 1e-5
         (gx,) = torch.autograd.grad(loss.sum(), x)
         assert gx.abs().max() < 1e-5
@@ -63,12 +68,35 @@ def test_linear_jsd_identical_models_give_zero():
 def test_linear_jsd_bad_inputs():
     x, w = randn((4, 8), torch.float32), randn((10, 8), torch.float32)
     with pytest.raises(ValueError, match="beta"):
-        F.linear_jsd(x, w, x, w, beta=1.5)
+        TF.linear_jsd(x, w, x, w, beta=1.5)
     with pytest.raises(ValueError, match="temperature"):
-        F.linear_jsd(x, w, x, w, temperature=0.0)
+        TF.linear_jsd(x, w, x, w, temperature=0.0)
     with pytest.raises(ValueError, match="teacher_x"):
-        F.linear_jsd(x, w, randn((5, 8), torch.float32), w)
+        TF.linear_jsd(x, w, randn((5, 8), torch.float32), w)
     with pytest.raises(ValueError, match="vocabularies"):
-        F.linear_jsd(x, w, x, randn((11, 8), torch.float32))
+        TF.linear_jsd(x, w, x, randn((11, 8), torch.float32))
     with pytest.raises(ValueError, match="teacher_weight"):
-        F.linear_jsd(x, w, x, randn((10, 7), torch.float32))
+        TF.linear_jsd(x, w, x, randn((10, 7), torch.float32))
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0, 0.5])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("offsets", [(1e4, 1e4), (1e4, 0.0)])
+def test_jsd_kernel_large_logits_keep_precision(beta, temperature, offsets):
+    """Logits of 1e4 + randn (fp32): log-probs are formed from the row maximum, (a - m) - log d,
+    not as a - lse with lse rounded at 1e4, so the loss and gradient stay as close to float64 as
+    eager fp32 torch's (which forms log_softmax the same way). The rows span several blocks."""
+    n, v = 3, 9001
+    s = randn((n, v), torch.float32, shift=offsets[0])
+    t = randn((n, v), torch.float32, scale=2.0, shift=offsets[1])
+    grad = torch.empty_like(s)
+    loss = jsd_rows(s, t, grad, beta, temperature)
+    s64 = s.double().requires_grad_()
+    ref = ref_jsd_rows(s64, t.double(), beta, temperature)
+    (ref_grad,) = torch.autograd.grad(ref.sum(), s64)
+    s32 = s.clone().requires_grad_()
+    eager = ref_jsd_rows(s32, t, beta, temperature)
+    (eager_grad,) = torch.autograd.grad(eager.sum(), s32)
+    for name, ours, theirs, exact in (("loss", loss, eager, ref), ("grad", grad, eager_grad, ref_grad)):
+        err, eager_err = rel_err(ours, exact), rel_err(theirs, exact)
+        assert err <= max(4 * eager_err, 1e-5), f"{name}: relative error {err:.3g}, eager fp32 torch {eager_err:.3g}"

@@ -1,4 +1,4 @@
-"""tigon.ops._common.launch: the cached launch path calls the compiled kernel Triton built for
+"""tigon.ops._internals.launch: the cached launch path calls the compiled kernel Triton built for
 the same specialization, and gives what Triton's own launch gives."""
 
 import pytest
@@ -7,8 +7,8 @@ import triton
 import triton.language as tl
 
 from tests.helpers import DEVICE, ON_GPU
-from tigon.ops import _common
-from tigon.ops._common import launch
+from tigon.ops import _internals
+from tigon.ops._internals import launch
 
 
 @triton.jit
@@ -52,25 +52,25 @@ def test_launch_matches_the_reference_in_every_specialization(dtype):
 
 @pytest.mark.gpu
 def test_cached_launch_is_used_and_equals_tritons(monkeypatch):
-    if not ON_GPU or not _common.fast_launch_enabled():
+    if not ON_GPU or not _internals.fast_launch_enabled():
         pytest.skip("the cached path runs compiled kernels (and is on by default)")
-    monkeypatch.setattr(_common, "_LAUNCHES", {})
+    monkeypatch.setattr(_internals, "_LAUNCHES", {})
     calls = []
     original = _axpb_kernel.run
     monkeypatch.setattr(_axpb_kernel, "run", lambda *a, **k: calls.append(1) or original(*a, **k))
     x = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     first = run(x, 4000, 0.5, 3, 1, 2.0)
-    assert len(calls) == 1 and len(_common._LAUNCHES) == 1
+    assert len(calls) == 1 and len(_internals._LAUNCHES) == 1
     cached = [run(x, 4000, 0.5, 3, 1, 2.0) for _ in range(3)]
     assert len(calls) == 1  # Triton's launcher not called again
     run(x[1:], 4000, 0.5, 3, 1, 2.0)  # misaligned pointer: a new specialization, through Triton
-    assert len(calls) == 2 and len(_common._LAUNCHES) == 2
-    before = _common.fast_launch_enabled()
-    _common.set_fast_launch(False)
+    assert len(calls) == 2 and len(_internals._LAUNCHES) == 2
+    before = _internals.fast_launch_enabled()
+    _internals.set_fast_launch(False)
     try:
         plain = run(x, 4000, 0.5, 3, 1, 2.0)
     finally:
-        _common.set_fast_launch(before)
+        _internals.set_fast_launch(before)
     for out in cached:  # bit-identical (the last 96 elements are the NaN the kernel does not write)
         torch.testing.assert_close(out, first, rtol=0, atol=0, equal_nan=True)
         torch.testing.assert_close(out, plain, rtol=0, atol=0, equal_nan=True)
@@ -79,7 +79,7 @@ def test_cached_launch_is_used_and_equals_tritons(monkeypatch):
 def test_launch_hooks_route_launches_through_triton():
     """A profiler's launch hook (Triton's knobs) must see every launch: the cached path is then off."""
     runtime = triton.knobs.runtime
-    assert not _common._launch_hooks_set()
+    assert not _internals._launch_hooks_set()
 
     def hook(metadata):
         pass
@@ -88,13 +88,13 @@ def test_launch_hooks_route_launches_through_triton():
     if hasattr(chain, "add"):
         chain.add(hook)
         try:
-            assert _common._launch_hooks_set()
+            assert _internals._launch_hooks_set()
         finally:
             chain.remove(hook)
     else:  # an older Triton: a plain attribute
         runtime.launch_enter_hook = hook
         try:
-            assert _common._launch_hooks_set()
+            assert _internals._launch_hooks_set()
         finally:
             runtime.launch_enter_hook = chain
-    assert not _common._launch_hooks_set()
+    assert not _internals._launch_hooks_set()

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from tests.helpers import DTYPES, check_op, pick, randn, up
-from tigon import functional as F
+from tigon import functional as TF
 
 SHAPES = pick(
     cpu=[(2, 3, 33), (7, 128), (257, 40)],
@@ -18,14 +18,14 @@ def ref_layer_norm(x, w, b, eps=1e-5):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("affine", ["weight+bias", "weight", "none"])
+@pytest.mark.parametrize("affine", ["weight+bias", "weight", "bias", "none"])
 @pytest.mark.parametrize("non_contiguous", [False, True])
 def test_layer_norm_matches_reference(shape, dtype, affine, non_contiguous):
     # A large common offset: catches one-pass variance formulas that cancel catastrophically.
     x = randn(shape, dtype, non_contiguous=non_contiguous, shift=8.0, requires_grad=True)
-    w = randn(shape[-1:], dtype, shift=1.0, requires_grad=True) if affine != "none" else None
-    b = randn(shape[-1:], dtype, requires_grad=True) if affine == "weight+bias" else None
-    check_op(lambda x, w, b: F.layer_norm(x, w, b), ref_layer_norm, [x, w, b], dtype=dtype,
+    w = randn(shape[-1:], dtype, shift=1.0, requires_grad=True) if "weight" in affine else None
+    b = randn(shape[-1:], dtype, requires_grad=True) if "bias" in affine else None
+    check_op(lambda x, w, b: TF.layer_norm(x, w, b), ref_layer_norm, [x, w, b], dtype=dtype,
              what=f"layer_norm[{affine}]")
 
 
@@ -33,12 +33,54 @@ def test_layer_norm_frozen_parameters():
     x = randn((5, 70), torch.float32, requires_grad=True)
     w = randn((70,), torch.float32, shift=1.0)
     b = randn((70,), torch.float32, requires_grad=True)
-    check_op(lambda x, w, b: F.layer_norm(x, w, b), ref_layer_norm, [x, w, b], dtype=torch.float32)
+    check_op(lambda x, w, b: TF.layer_norm(x, w, b), ref_layer_norm, [x, w, b], dtype=torch.float32)
+
+
+def test_layer_norm_zero_stride_and_strided_inputs():
+    """x expanded from a [1, N] leaf, weight and bias expanded from scalars, and strided ones:
+    torch's values and gradients (the kernels read weight / bias with unit stride)."""
+    base = randn((1, 45), torch.float32, shift=2.0, requires_grad=True)
+    scale = randn((), torch.float32, shift=1.0, requires_grad=True)
+    shift = randn((), torch.float32, requires_grad=True)
+    check_op(lambda b, s, t: TF.layer_norm(b.expand(6, 45), s.expand(45), t.expand(45)),
+             lambda b, s, t: ref_layer_norm(b.expand(6, 45), s.expand(45), t.expand(45)), [base, scale, shift],
+             dtype=torch.float32)
+    x = randn((6, 45), torch.float32, requires_grad=True)
+    w, b = randn((90,), torch.float32, requires_grad=True), randn((135,), torch.float32, requires_grad=True)
+    check_op(lambda x, w, b: TF.layer_norm(x, w[::2], b[::3]), lambda x, w, b: ref_layer_norm(x, w[::2], b[::3]),
+             [x, w, b], dtype=torch.float32)
+
+
+def test_layer_norm_second_backward_over_retained_graph():
+    x = randn((7, 48), torch.float32, requires_grad=True)
+    w = randn((48,), torch.float32, shift=1.0, requires_grad=True)
+    b = randn((48,), torch.float32, requires_grad=True)
+    loss = 0.5 * (TF.layer_norm(x, w, b) * randn((7, 48), torch.float32)).sum()
+    loss.backward(retain_graph=True)
+    once = [t.grad.clone() for t in (x, w, b)]
+    loss.backward()
+    for t, g in zip((x, w, b), once):
+        assert torch.equal(t.grad, 2 * g)
+
+
+@pytest.mark.parametrize("shape", [(3, 0), (2, 3, 0), (0, 0), (0, 5)])
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_empty_rows_or_hidden_size(shape, affine):
+    """As torch.nn.functional.layer_norm: an empty output, empty (or zero) gradients, no error."""
+    x = randn(shape, torch.float32, requires_grad=True)
+    w = randn(shape[-1:], torch.float32, requires_grad=True) if affine else None
+    b = randn(shape[-1:], torch.float32, requires_grad=True) if affine else None
+    y = TF.layer_norm(x, w, b)
+    assert y.shape == torch.nn.functional.layer_norm(x, shape[-1:], w, b).shape
+    y.sum().backward()
+    assert x.grad.shape == shape
+    if affine:
+        assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
 
 
 def test_layer_norm_bad_inputs():
     x = randn((4, 16), torch.float32)
     with pytest.raises(ValueError, match="bias has shape"):
-        F.layer_norm(x, randn((16,), torch.float32), randn((17,), torch.float32))
+        TF.layer_norm(x, randn((16,), torch.float32), randn((17,), torch.float32))
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
-        F.layer_norm([1.0, 2.0], None, None)
+        TF.layer_norm([1.0, 2.0], None, None)

@@ -4,7 +4,7 @@ from torch.func import grad_and_value
 
 from tests.helpers import DEVICE, DTYPES, check_op, pick, randn
 from tests.ops.test_cross_entropy import make_target
-from tigon import functional as F
+from tigon import functional as TF
 
 # (rows, hidden, vocab): odd sizes; the GPU shape is one DPO chunk of a Llama-3-sized head.
 SHAPES = pick(cpu=[(37, 24, 301), (5, 16, 4099)], gpu=[(2048, 4096, 128256), (999, 1024, 32001)])
@@ -30,7 +30,7 @@ def test_linear_token_logps_matches_reference(shape, dtype, bias, ignore):
     w = randn((v, h), dtype, scale=h**-0.5 * 3, requires_grad=True)
     b = randn((v,), dtype, scale=0.5, requires_grad=True) if bias else None
     target = make_target(n, v, ignore)
-    check_op(lambda x, w, b: F.linear_token_logps(x, w, target, b), lambda x, w, b: ref_token_logps(x, w, target, b),
+    check_op(lambda x, w, b: TF.linear_token_logps(x, w, target, b), lambda x, w, b: ref_token_logps(x, w, target, b),
              [x, w, b], dtype=dtype, tol=1e-4 if dtype == torch.float32 else 2e-2,
              noise_floor=2 * 2**-8 if dtype == torch.bfloat16 else 2e-5, worse_than_eager=3.0,
              what=f"linear_token_logps[{ignore}, bias={bias}]")
@@ -42,7 +42,7 @@ def test_linear_token_logps_strided_x_and_fp32_head():
     x = randn((n, h), torch.bfloat16, non_contiguous=True, requires_grad=True)
     w = randn((v, h), torch.float32, scale=h**-0.5 * 3, requires_grad=True)
     target = make_target(n, v, "some")
-    check_op(lambda x, w: F.linear_token_logps(x, w, target), lambda x, w: ref_token_logps(x, w, target),
+    check_op(lambda x, w: TF.linear_token_logps(x, w, target), lambda x, w: ref_token_logps(x, w, target),
              [x, w], dtype=torch.bfloat16, tol=2e-2, noise_floor=2 * 2**-8, worse_than_eager=3.0)
 
 
@@ -55,7 +55,7 @@ def test_linear_token_logps_under_grad_and_value():
     scale = torch.randn(n, device=DEVICE)
 
     def f(x, w):
-        return (F.linear_token_logps(x, w, target) * scale).sum()
+        return (TF.linear_token_logps(x, w, target) * scale).sum()
 
     (gx, gw), value = grad_and_value(f, argnums=(0, 1))(x, w)
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -70,8 +70,8 @@ def test_linear_token_logps_bad_inputs():
     x = randn((4, 8), torch.float32)
     w = randn((10, 8), torch.float32)
     with pytest.raises(ValueError, match="target"):
-        F.linear_token_logps(x, w, torch.zeros(5, dtype=torch.long, device=DEVICE))
+        TF.linear_token_logps(x, w, torch.zeros(5, dtype=torch.long, device=DEVICE))
     with pytest.raises(ValueError, match="weight"):
-        F.linear_token_logps(x, randn((10, 7), torch.float32), torch.zeros(4, dtype=torch.long, device=DEVICE))
+        TF.linear_token_logps(x, randn((10, 7), torch.float32), torch.zeros(4, dtype=torch.long, device=DEVICE))
     with pytest.raises(ValueError, match="target"):
-        F.linear_token_logps(x, w, torch.full((4,), 10, dtype=torch.long, device=DEVICE))
+        TF.linear_token_logps(x, w, torch.full((4,), 10, dtype=torch.long, device=DEVICE))

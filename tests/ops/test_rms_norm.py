@@ -1,20 +1,26 @@
 import pytest
 import torch
 
-from tests.helpers import DEVICE, DTYPES, ON_GPU, check_op, pick, randn, up
-from tigon import functional as F
+from tests.helpers import DEVICE, DTYPES, ON_GPU, check_op, pick, randn, rel_err, up
+from tigon import functional as TF
 
 SHAPES = pick(
     cpu=[(2, 3, 33), (7, 128), (1, 1000), (257, 40)],
     gpu=[(4, 1024, 4096), (8192, 5120), (3001, 8189), (65536, 896), (17, 16384)],
 )
-MODES = [("llama", 0.0), ("gemma", 1.0), ("gemma", 0.0), ("llama", 1.0)]
+MODES = [("llama", 0.0), ("gemma", 1.0), ("gemma", 0.0), ("llama", 1.0), ("none", 0.0)]
 
 
 def ref_rms_norm(x, w, eps=1e-6, offset=0.0, casting="llama"):
-    """HF's LlamaRMSNorm (casting="llama") and GemmaRMSNorm (casting="gemma")."""
+    """HF's LlamaRMSNorm (casting="llama"), GemmaRMSNorm (casting="gemma"), and the plain
+    expression in the inputs' dtypes (casting="none", Liger's reference); w may be None."""
+    if casting == "none":
+        xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return xn if w is None else (w + offset) * xn
     xf = up(x)
     xn = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if w is None:
+        return xn.to(x.dtype)
     if casting == "llama":
         return (w + offset) * xn.to(x.dtype)
     return (xn * (offset + up(w))).to(x.dtype)
@@ -27,53 +33,148 @@ def ref_rms_norm(x, w, eps=1e-6, offset=0.0, casting="llama"):
 def test_rms_norm_matches_reference(shape, dtype, casting, offset, non_contiguous):
     x = randn(shape, dtype, non_contiguous=non_contiguous, requires_grad=True)
     w = randn(shape[-1:], dtype, scale=0.2, shift=1.0 - offset, requires_grad=True)
-    check_op(lambda x, w: F.rms_norm(x, w, 1e-6, offset, casting),
+    check_op(lambda x, w: TF.rms_norm(x, w, 1e-6, offset, casting),
              lambda x, w: ref_rms_norm(x, w, 1e-6, offset, casting),
              [x, w], dtype=dtype, what=f"rms_norm[{casting}, offset={offset}]")
 
 
-@pytest.mark.parametrize("casting", ["llama", "gemma"])
+@pytest.mark.parametrize("casting", ["llama", "gemma", "none"])
 def test_rms_norm_mixed_dtypes_bf16_input_fp32_weight(casting):
-    """bf16 activations with an fp32 weight: llama casting promotes the output to fp32 (as HF)."""
+    """bf16 activations with an fp32 weight: llama / none casting promote the output to fp32 (as HF)."""
     x = randn(pick((5, 77), (4096, 4096)), torch.bfloat16, requires_grad=True)
     w = randn(x.shape[-1:], torch.float32, shift=1.0, requires_grad=True)
-    check_op(lambda x, w: F.rms_norm(x, w, 1e-5, 0.0, casting),
+    check_op(lambda x, w: TF.rms_norm(x, w, 1e-5, 0.0, casting),
              lambda x, w: ref_rms_norm(x, w, 1e-5, 0.0, casting), [x, w], dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_none_casting_rounds_as_eager_torch(dtype, offset):
+    """casting="none" gives the eager expression's own rounding (x^2, mean, + eps, rsqrt, x * rstd,
+    w + offset, the product, all in x's dtype): bit for bit but for reduction order. The other
+    modes round once at the end and differ from it on about a quarter of the elements."""
+    x = randn(pick((64, 200), (4096, 4096)), dtype, scale=3.0)
+    w = randn(x.shape[-1:], dtype, scale=0.2, shift=1.0 - offset)
+    ours = TF.rms_norm(x, w, 1e-6, offset, "none")
+    eager = ref_rms_norm(x, w, 1e-6, offset, "none")
+    assert ours.dtype == eager.dtype == dtype
+    ulp = torch.finfo(dtype).eps
+    assert ((ours.float() - eager.float()).abs() <= ulp * eager.float().abs()).all()
+    assert (ours == eager).float().mean().item() >= 0.99
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_in_place_backward(dtype):
+@pytest.mark.parametrize("casting", ["llama", "gemma", "none"])
+def test_rms_norm_without_weight(dtype, casting):
+    """weight=None (elementwise_affine=False): no scaling, output in x's dtype, x's gradient only."""
+    x = randn((9, 70), dtype, requires_grad=True)
+    check_op(lambda x: TF.rms_norm(x, None, 1e-6, 0.0, casting), lambda x: ref_rms_norm(x, None, 1e-6, 0.0, casting),
+             [x], dtype=dtype, what=f"rms_norm[{casting}, no weight]")
+    assert TF.rms_norm(x, None, casting=casting).dtype == dtype
+    with pytest.raises(ValueError, match="offset=1.0 .* weight is None"):
+        TF.rms_norm(x, None, 1e-6, 1.0, casting)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_inplace_backward(dtype):
     x = randn(pick((9, 50), (4096, 4096)), dtype, requires_grad=True)
     w = randn(x.shape[-1:], dtype, shift=1.0, requires_grad=True)
-    check_op(lambda x, w: F.rms_norm(x, w, in_place=True), ref_rms_norm, [x, w], dtype=dtype)
+    check_op(lambda x, w: TF.rms_norm(x, w, inplace=True), ref_rms_norm, [x, w], dtype=dtype)
+
+
+def test_rms_norm_inplace_writes_over_its_gradient_only_when_it_may():
+    """inplace=True writes dx over the incoming gradient: a dense one (the caller asked for it),
+    never one whose rows alias each other (stride 0, as y.sum() gives): that one is copied
+    first, the caller's tensor is left alone and the gradients are right."""
+    x = randn((6, 40), torch.float32, requires_grad=True)
+    w = randn((40,), torch.float32, shift=1.0, requires_grad=True)
+    row = randn((1, 40), torch.float32)
+    kept = row.clone()
+    dx, dw = torch.autograd.grad(TF.rms_norm(x, w, inplace=True), (x, w), row.expand(6, 40))
+    assert torch.equal(row, kept)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref_dx, ref_dw = torch.autograd.grad(ref_rms_norm(x64, w64), (x64, w64), row.double().expand(6, 40))
+    assert rel_err(dx, ref_dx) < 1e-5 and rel_err(dw, ref_dw) < 1e-5
+    dense = randn((6, 40), torch.float32)
+    dx_dense, _ = torch.autograd.grad(TF.rms_norm(x, w, inplace=True), (x, w), dense)
+    assert dx_dense.data_ptr() == dense.data_ptr()
+
+
+@pytest.mark.parametrize("options", [{}, {"inplace": True}])
+def test_rms_norm_zero_stride_and_strided_inputs(options):
+    """x expanded from one row ([1, N] leaf), a weight expanded from a scalar, a strided weight:
+    the values and the gradients of the leaves (summed over the expansion by autograd) are
+    torch's (the kernels read the weight with unit stride: it is made contiguous first)."""
+    base = randn((1, 37), torch.float32, requires_grad=True)
+    scale = randn((), torch.float32, shift=1.0, requires_grad=True)
+    check_op(lambda b, s: TF.rms_norm(b.expand(5, 37), s.expand(37), **options),
+             lambda b, s: ref_rms_norm(b.expand(5, 37), s.expand(37)), [base, scale], dtype=torch.float32)
+    wide = randn((74,), torch.float32, requires_grad=True)
+    x = randn((5, 37), torch.float32, requires_grad=True)
+    check_op(lambda x, w: TF.rms_norm(x, w[::2], **options), lambda x, w: ref_rms_norm(x, w[::2]), [x, wide],
+             dtype=torch.float32)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("weight", [True, False])
+def test_rms_norm_second_backward_over_retained_graph(inplace, weight):
+    x = randn((7, 48), torch.float32, requires_grad=True)
+    w = randn((48,), torch.float32, shift=1.0, requires_grad=True) if weight else None
+    c = randn((7, 48), torch.float32)
+    loss = 0.5 * (TF.rms_norm(x, w, inplace=inplace) * c).sum()
+    loss.backward(retain_graph=True)
+    once = [t.grad.clone() for t in (x, w) if t is not None]
+    loss.backward()
+    for t, g in zip([t for t in (x, w) if t is not None], once):
+        assert torch.equal(t.grad, 2 * g)
 
 
 def test_rms_norm_frozen_weight_and_empty_batch():
     x = randn((6, 40), torch.float32, requires_grad=True)
     w = randn((40,), torch.float32, shift=1.0)  # no grad: the kernel skips dW
-    check_op(F.rms_norm, ref_rms_norm, [x, w], dtype=torch.float32)
+    check_op(TF.rms_norm, ref_rms_norm, [x, w], dtype=torch.float32)
     empty = randn((0, 40), torch.float32, requires_grad=True)
     w2 = randn((40,), torch.float32, requires_grad=True)
-    y = F.rms_norm(empty, w2)
+    y = TF.rms_norm(empty, w2)
     y.sum().backward()
     assert y.shape == (0, 40) and torch.equal(w2.grad, torch.zeros_like(w2))
 
 
+@pytest.mark.parametrize("shape", [(3, 0), (2, 3, 0), (0, 0), (0, 5), (2, 0, 5)])
+@pytest.mark.parametrize("casting", ["llama", "none"])
+@pytest.mark.parametrize("weight", [True, False])
+def test_rms_norm_empty_rows_or_hidden_size(shape, casting, weight):
+    """As torch.nn.functional.rms_norm: an empty output, empty (or zero) gradients, no error."""
+    x = randn(shape, torch.float32, requires_grad=True)
+    w = randn(shape[-1:], torch.float32, requires_grad=True) if weight else None
+    y = TF.rms_norm(x, w, casting=casting)
+    theirs = torch.nn.functional.rms_norm(x, shape[-1:], w)
+    assert y.shape == theirs.shape and y.dtype == theirs.dtype
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    if weight:
+        assert torch.equal(w.grad, torch.zeros_like(w))
+
+
 def test_rms_norm_bad_inputs():
     x = randn((4, 16), torch.float32)
+    w = randn((16,), torch.float32)
     with pytest.raises(ValueError, match="weight"):
-        F.rms_norm(x, randn((15,), torch.float32))
-    with pytest.raises(ValueError, match="casting"):
-        F.rms_norm(x, randn((16,), torch.float32), casting="bert")
+        TF.rms_norm(x, randn((15,), torch.float32))
+    for casting in ("bert", None, "Llama", ["llama"]):
+        with pytest.raises(ValueError, match="casting must be one of 'llama', 'gemma', 'none'"):
+            TF.rms_norm(x, w, casting=casting)
     with pytest.raises(TypeError, match="x must be a floating-point"):
-        F.rms_norm(torch.ones(4, 16, dtype=torch.int64, device=DEVICE), randn((16,), torch.float32))
+        TF.rms_norm(torch.ones(4, 16, dtype=torch.int64, device=DEVICE), w)
     with pytest.raises(ValueError, match="weight must have 1 dimensions"):
-        F.rms_norm(x, randn((1, 16), torch.float32))
+        TF.rms_norm(x, randn((1, 16), torch.float32))
     with pytest.raises(ValueError, match="hidden size"):
-        F.rms_norm(randn((1, 70000), torch.float32), randn((70000,), torch.float32))
+        TF.rms_norm(randn((1, 70000), torch.float32), randn((70000,), torch.float32))
+    with pytest.raises(TypeError, match="in_place"):
+        TF.rms_norm(x, w, in_place=True)  # the option is called inplace
     if ON_GPU:
         with pytest.raises(ValueError, match="weight is on"):
-            F.rms_norm(x, torch.ones(16))
+            TF.rms_norm(x, torch.ones(16))
 
 
 @pytest.mark.gpu
@@ -83,6 +184,6 @@ def test_rms_norm_past_2_31_elements():
     rows = 2**31 // n + 64
     x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    y = F.rms_norm(x, w)
+    y = TF.rms_norm(x, w)
     tail = slice(rows - 128, rows)
     torch.testing.assert_close(y[tail].float(), ref_rms_norm(x[tail].double(), w.double()).float(), atol=2e-2, rtol=2e-2)

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from tests.helpers import DTYPES, check_op, pick, randn
-from tigon import functional as F
+from tigon import functional as TF
 
 # (batch, q heads, kv heads, tokens, head dim)
 SHAPES = pick(
@@ -62,7 +62,7 @@ def test_rope_matches_hf(shape, dtype, layout, non_contiguous):
     assert q.is_contiguous() != non_contiguous
     unsqueeze_dim = 1 if layout == "bhtd" else 2
     cos, sin = hf_cos_sin(shape[0], shape[3], shape[4], dtype)
-    check_op(lambda q, k: F.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim),
+    check_op(lambda q, k: TF.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim),
              lambda q, k: ref_rope(q, k, cos.to(q.dtype), sin.to(q.dtype), unsqueeze_dim),
              [q, k], dtype=dtype, what=f"rope[{layout}]")
 
@@ -74,8 +74,84 @@ def test_rope_per_sequence_cos_and_partial_rotary(dtype):
     rot = dim // 2 if dim % 4 == 0 else dim - 4
     q, k = make_qk((batch, hq, hk, tokens, dim), dtype, "bhtd", True)
     cos, sin = hf_cos_sin(batch, tokens, rot, dtype, per_sequence=True)
-    check_op(lambda q, k: F.apply_rotary_pos_emb(q, k, cos, sin),
+    check_op(lambda q, k: TF.apply_rotary_pos_emb(q, k, cos, sin),
              lambda q, k: ref_rope(q, k, cos.to(q.dtype), sin.to(q.dtype)), [q, k], dtype=dtype)
+
+
+# (head dim D, rotary dim R): R < D not dividing D, D - R > R, D - R not a power of two, odd D,
+# and R == D.
+PARTIAL_ROTARY = [(100, 16), (96, 40), (80, 48), (72, 24), (128, 48), (64, 64), (65, 32), (67, 66)]
+
+
+@pytest.mark.parametrize("dim,rot", PARTIAL_ROTARY)
+@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
+@pytest.mark.parametrize("positions", [False, True])
+def test_rope_partial_rotary_matches_hf(dim, rot, layout, positions):
+    """HF's Phi-3 apply_rotary_pos_emb (rotate the first R = cos.shape[-1] dims, pass the rest
+    through) and, for R == D, Llama's, on HF's transposed q / k views; with position_ids, tigon
+    gathers from the table what the reference is given gathered."""
+    transformers = pytest.importorskip("transformers")  # noqa: F841
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_rope
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_rope
+
+    batch, hq, hk, tokens = 2, 3, 1, 5
+    unsqueeze_dim = 1 if layout == "bhtd" else 2
+    q, k = make_qk((batch, hq, hk, tokens, dim), torch.float32, layout, non_contiguous=True)
+    if positions:
+        table = 11
+        cos_t, sin_t = hf_cos_sin(1, table, rot, torch.float32)
+        pos = torch.randint(0, table, (batch, tokens), device=q.device)
+        args = (cos_t[0], sin_t[0], pos)
+        cos, sin = cos_t[0][pos], sin_t[0][pos]
+    else:
+        cos, sin = hf_cos_sin(batch, tokens, rot, torch.float32, per_sequence=True)
+        args = (cos, sin, None)
+    ref = llama_rope if rot == dim else phi3_rope
+    check_op(lambda q, k: TF.apply_rotary_pos_emb(q, k, *args, unsqueeze_dim=unsqueeze_dim),
+             lambda q, k: ref(q, k, cos.to(q.dtype), sin.to(q.dtype), unsqueeze_dim=unsqueeze_dim),
+             [q, k], dtype=torch.float32, what=f"rope[D={dim}, R={rot}, {layout}]")
+
+
+def test_rope_odd_rotary_dim_is_refused():
+    """An odd R (HF's rotary embeddings always give an even one: cat(freqs, freqs)) would make
+    HF's rotate_half split unequal halves, which is no rotation: refused, naming cos."""
+    q, k = make_qk((1, 2, 1, 3, 15), torch.float32, "bhtd", False)
+    cos, sin = randn((1, 3, 15), torch.float32), randn((1, 3, 15), torch.float32)
+    with pytest.raises(ValueError, match="cos's last dim 15 must be even"):
+        TF.apply_rotary_pos_emb(q, k, cos, sin)
+
+
+def test_rope_zero_stride_inputs():
+    """q expanded over batch and heads, k over heads (as repeat_kv), cos / sin over batch and
+    position_ids over batch (HF's arange(T)[None].expand(B, -1)): torch's values and the
+    gradients of the leaves."""
+    batch, hq, hk, tokens, dim = 2, 4, 2, 5, 16
+    qb = randn((1, 1, tokens, dim), torch.float32, requires_grad=True)
+    kb = randn((batch, 1, tokens, dim), torch.float32, requires_grad=True)
+    cos, sin = hf_cos_sin(1, tokens, dim, torch.float32)
+    cos_b, sin_b = cos.expand(batch, -1, -1), sin.expand(batch, -1, -1)
+
+    def expand(qb, kb):
+        return qb.expand(batch, hq, tokens, dim), kb.expand(batch, hk, tokens, dim)
+
+    check_op(lambda qb, kb: TF.apply_rotary_pos_emb(*expand(qb, kb), cos_b, sin_b),
+             lambda qb, kb: ref_rope(*expand(qb, kb), cos, sin), [qb, kb], dtype=torch.float32)
+    table_cos, table_sin = hf_cos_sin(1, 9, dim, torch.float32)
+    pos = torch.arange(2, 2 + tokens, device=qb.device)[None].expand(batch, -1)
+    check_op(lambda qb, kb: TF.apply_rotary_pos_emb(*expand(qb, kb), table_cos[0], table_sin[0], position_ids=pos),
+             lambda qb, kb: ref_rope(*expand(qb, kb), table_cos[:, 2:2 + tokens], table_sin[:, 2:2 + tokens]),
+             [qb, kb], dtype=torch.float32)
+
+
+def test_rope_second_backward_over_retained_graph():
+    q, k = make_qk((2, 4, 2, 5, 16), torch.float32, "bhtd", True)
+    cos, sin = hf_cos_sin(2, 5, 12, torch.float32)
+    oq, ok = TF.apply_rotary_pos_emb(q, k, cos, sin)
+    loss = 0.5 * ((oq * randn(oq.shape, torch.float32)).sum() + (ok * randn(ok.shape, torch.float32)).sum())
+    loss.backward(retain_graph=True)
+    once = [q.grad.clone(), k.grad.clone()]
+    loss.backward()
+    assert torch.equal(q.grad, 2 * once[0]) and torch.equal(k.grad, 2 * once[1])
 
 
 def test_rope_unequal_halves_of_cos_sin():
@@ -84,7 +160,7 @@ def test_rope_unequal_halves_of_cos_sin():
     q, k = make_qk((batch, hq, hk, tokens, dim), torch.float32, "bhtd", False)
     cos = randn((1, tokens, dim), torch.float32)
     sin = randn((1, tokens, dim), torch.float32)
-    check_op(lambda q, k: F.apply_rotary_pos_emb(q, k, cos, sin), lambda q, k: ref_rope(q, k, cos, sin),
+    check_op(lambda q, k: TF.apply_rotary_pos_emb(q, k, cos, sin), lambda q, k: ref_rope(q, k, cos, sin),
              [q, k], dtype=torch.float32)
 
 
@@ -95,7 +171,7 @@ def test_rope_position_ids_gather_from_table(pos_batch):
     cos_t, sin_t = hf_cos_sin(1, table, dim, torch.float32)
     pos = torch.randint(0, table, (pos_batch, tokens), device=q.device)
     cos, sin = cos_t[0][pos], sin_t[0][pos]  # [pos_batch, T, D], what the kernel gathers
-    check_op(lambda q, k: F.apply_rotary_pos_emb(q, k, cos_t, sin_t, position_ids=pos),
+    check_op(lambda q, k: TF.apply_rotary_pos_emb(q, k, cos_t, sin_t, position_ids=pos),
              lambda q, k: ref_rope(q, k, cos, sin), [q, k], dtype=torch.float32)
 
 
@@ -125,14 +201,14 @@ def test_rope_bad_inputs():
     q, k = make_qk((2, 4, 2, 5, 16), torch.float32, "bhtd", False)
     cos, sin = hf_cos_sin(1, 5, 16, torch.float32)
     with pytest.raises(ValueError, match="k has shape"):
-        F.apply_rotary_pos_emb(q, k[:, :, :4], cos, sin)
+        TF.apply_rotary_pos_emb(q, k[:, :, :4], cos, sin)
     with pytest.raises(ValueError, match="cos has 5 positions but q has 4 tokens"):
-        F.apply_rotary_pos_emb(q[:, :, :4], k[:, :, :4], cos, sin)
+        TF.apply_rotary_pos_emb(q[:, :, :4], k[:, :, :4], cos, sin)
     with pytest.raises(ValueError, match="must be even"):
-        F.apply_rotary_pos_emb(q, k, cos[..., :15], sin[..., :15])
+        TF.apply_rotary_pos_emb(q, k, cos[..., :15], sin[..., :15])
     with pytest.raises(ValueError, match="unsqueeze_dim"):
-        F.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=3)
+        TF.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=3)
     with pytest.raises(ValueError, match="position_ids range"):
-        F.apply_rotary_pos_emb(q, k, cos[0], sin[0], position_ids=torch.full((1, 5), 9, device=q.device))
+        TF.apply_rotary_pos_emb(q, k, cos[0], sin[0], position_ids=torch.full((1, 5), 9, device=q.device))
     with pytest.raises(ValueError, match="require grad"):
-        F.apply_rotary_pos_emb(q, k, cos.clone().requires_grad_(), sin)
+        TF.apply_rotary_pos_emb(q, k, cos.clone().requires_grad_(), sin)

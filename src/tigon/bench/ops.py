@@ -8,6 +8,7 @@ says what fraction of the measured copy bandwidth (or bf16 matmul rate) it reach
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -21,6 +22,19 @@ from tigon import functional as TF
 from tigon.bench.harness import Row, generator, measure, measure_limits
 from tigon.bench.report import merge_results, write_results
 
+# The ops of the suite, in the order it runs them: the names `tigon bench` and --ops accept.
+OP_NAMES = ("rms_norm", "layer_norm", "fused_add_rms_norm", "swiglu", "geglu", "rope", "swiglu_mlp", "cross_entropy",
+            "fused_linear_cross_entropy")
+
+
+def unknown_op_error(names) -> str | None:
+    """An argparse-style message for the names not in OP_NAMES (None when all are known)."""
+    unknown = [name for name in names if name not in OP_NAMES]
+    if not unknown:
+        return None
+    return (f"invalid choice: {', '.join(map(repr, unknown))} "
+            f"(choose from {', '.join(map(repr, OP_NAMES))})")
+
 
 @dataclass
 class Case:
@@ -32,6 +46,10 @@ class Case:
     flops_full: int | None = None
     grad_output: float | None = None  # None: random cotangents; a loss's cases use 1 (loss.backward())
     size: tuple | None = None  # (axis name, value) when the case is a point of a size sweep (plotted)
+
+    def __post_init__(self):
+        if self.op not in OP_NAMES:
+            raise ValueError(f"case op {self.op!r} is not in OP_NAMES {OP_NAMES}")
 
 
 def _liger():
@@ -261,7 +279,10 @@ def cross_entropy_cases(shapes, liger, grad_output_variant=True):
         def inputs(rows=rows, vocab=vocab):
             return [_randn(rows, vocab, scale=2.0), _randint(vocab, rows)]
 
-        impls = {"tigon": TF.cross_entropy, "torch eager": eager_cross_entropy,
+        # tigon in place, as the patched models and Liger run it; "tigon, new gradient" is the
+        # public default (the logits are left alone, as torch does).
+        impls = {"tigon": functools.partial(TF.cross_entropy, inplace=True),
+                 "tigon, new gradient": TF.cross_entropy, "torch eager": eager_cross_entropy,
                  "torch.compile": _compiled(eager_cross_entropy)}
         if liger:
             impls["liger"] = liger.liger_cross_entropy
@@ -306,8 +327,13 @@ def all_cases(quick=False):
     ce = [(8192, 128256)] if quick else [(8192, v) for v in (32000, 128256, 151936)]
     flce = ([(8192, 4096, 128256)] if quick else
             [(8192, 4096, v) for v in (32000, 128256, 151936)] + [(4096, 2048, 128256)])
-    return (norm_cases(hidden, liger) + glu_cases(glu, liger) + rope_cases(rope, liger) + mlp_cases(mlp, liger)
-            + cross_entropy_cases(ce, liger, not quick) + flce_cases(flce, liger, _cce(), grad_output_variant=not quick)), liger
+    cases = (norm_cases(hidden, liger) + glu_cases(glu, liger) + rope_cases(rope, liger) + mlp_cases(mlp, liger)
+             + cross_entropy_cases(ce, liger, not quick)
+             + flce_cases(flce, liger, _cce(), grad_output_variant=not quick))
+    missing = set(OP_NAMES) - {case.op for case in cases}
+    if missing:
+        raise ValueError(f"OP_NAMES lists ops with no case: {sorted(missing)}")
+    return cases, liger
 
 
 def max_rel_err(a, b):
@@ -367,6 +393,9 @@ def run(ops=None, quick=False, out_dir="bench_out", verbose=False, shapes=None):
     import subprocess
     import tempfile
 
+    error = unknown_op_error(ops or ())
+    if error:
+        raise ValueError(f"ops: {error}")
     os.makedirs(out_dir, exist_ok=True)
     limits = measure_limits()
     cases, liger = all_cases(quick)
@@ -422,7 +451,8 @@ def run(ops=None, quick=False, out_dir="bench_out", verbose=False, shapes=None):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--ops", nargs="*", help="op names to run (default: all)")
+    parser.add_argument("--ops", nargs="*", choices=OP_NAMES, metavar="OP",
+                        help=f"op names to run (default: all): {', '.join(OP_NAMES)}")
     parser.add_argument("--quick", action="store_true", help="one size per op")
     parser.add_argument("--out", default="bench_out", help="folder for ops.json, ops.csv, ops.md and the plots")
     parser.add_argument("--verbose", action="store_true", help="show each case's own progress lines")

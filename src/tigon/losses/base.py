@@ -10,7 +10,8 @@ inputs in one call (``torch.func.grad_and_value``, optionally under ``torch.comp
 dynamic shapes). Row chunks are disjoint, so a chunked input's gradient is written once, in
 its own dtype; a shared input's gradient is summed over chunks in its dtype (fp32 for fp32
 parameters; one rounding per chunk for bf16). The gradients are formed in the forward pass;
-the backward scales them by grad_output.
+the backward scales them by grad_output: in place, and hands them out, when the graph is freed
+after it; into new tensors when it is retained (they are read again by the next backward).
 
 Metrics: per-row tensors are concatenated in chunk order; scalars are summed over chunks.
 """
@@ -24,6 +25,7 @@ import torch
 from torch.func import grad_and_value
 
 from tigon.ops._common import capturing
+from tigon.ops._internals import graph_retained
 
 
 def token_logps(logits, target, ignore_index):
@@ -106,14 +108,21 @@ class ChunkedLossFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, *_grad_metrics):
         out = [None] * ctx.n_inputs
+        # The saved gradients are handed to autograd (which may adopt one as .grad and add
+        # into it) only when this is the graph's last backward; otherwise scaled copies.
+        retained = graph_retained()
+        one = not retained and _is_one(grad_loss)
         for i, g in zip(ctx.grad_index, ctx.saved_tensors):
-            out[i] = g if _is_one(grad_loss) else (g * grad_loss).to(ctx.dtypes[i])
+            if retained:
+                out[i] = (g * grad_loss).to(ctx.dtypes[i])
+            else:
+                out[i] = g if one else g.mul_(grad_loss)
         return (None, *out)
 
 
 def _is_one(t):
-    """grad_output == 1 (loss.backward()): the stored gradients are returned as they are. A
-    host sync, except under CUDA-graph capture where it is skipped."""
+    """grad_output == 1 (loss.backward()): the saved gradients need no scaling. A host sync,
+    except under CUDA-graph capture where it is skipped (and the scaling done)."""
     return t.numel() == 1 and not capturing() and bool(t == 1)
 
 
@@ -124,5 +133,14 @@ def run_chunked(chunk_fn, chunked, shared, row_chunks, compiled=False):
     return loss, dict(zip(spec.metric_names, values))
 
 
-def contiguous_chunks(n_rows, rows_per_chunk, device):
-    return [torch.arange(s, min(s + rows_per_chunk, n_rows), device=device) for s in range(0, n_rows, rows_per_chunk)]
+def check_chunk_size(name, value) -> int:
+    """A chunk size given by the caller (``chunk_rows``, ``chunk_pairs``): a positive int."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def contiguous_chunks(n_rows, rows_per_chunk, device, name="chunk_rows"):
+    """Row indices [rows_per_chunk] of consecutive chunks of n_rows rows."""
+    step = check_chunk_size(name, rows_per_chunk)
+    return [torch.arange(s, min(s + step, n_rows), device=device) for s in range(0, n_rows, step)]

@@ -99,18 +99,36 @@ def head_sums(weight, bias):
     return colsum, (bias.detach().float().sum() if bias is not None else 0.0)
 
 
+def check_nll_target(nll_target, target, nll_weight):
+    if nll_target is None:
+        return
+    if not nll_weight:
+        raise ValueError("nll_target was given but no NLL term is computed (compute_nll_loss=False)")
+    if not isinstance(nll_target, torch.Tensor) or nll_target.is_floating_point() or nll_target.is_complex() \
+            or nll_target.dtype == torch.bool:
+        raise TypeError(f"nll_target must be an integer tensor of token ids, got "
+                        f"{getattr(nll_target, 'dtype', type(nll_target).__name__)}")
+    if nll_target.shape != target.shape:
+        raise ValueError(f"nll_target has shape {tuple(nll_target.shape)} but target has {tuple(target.shape)} "
+                         "(both [2B, T]; the NLL term reads nll_target's chosen half)")
+    if nll_target.device != target.device:
+        raise ValueError(f"nll_target is on {nll_target.device} but target is on {target.device}")
+
+
 def _run(pair_loss, options, x, weight, target, bias, ref_x=None, ref_weight=None, ref_bias=None,
          ref_chosen_logps=None, ref_rejected_logps=None, ignore_index=-100, average_log_prob=False, nll_weight=0.0,
-         chunk_pairs=1, compiled=False):
+         chunk_pairs=1, compiled=False, nll_target=None):
     check_preference_args(x, weight, target, bias, ref_x, ref_weight, ref_chosen_logps, ref_rejected_logps)
+    check_nll_target(nll_target, target, nll_weight)
     pairs = x.shape[0] // 2
-    chosen_tokens = (target[:pairs] != ignore_index).sum().clamp_min(1)
+    nll_source = target if nll_target is None else nll_target
+    chosen_tokens = (nll_source[:pairs] != ignore_index).sum().clamp_min(1)
     per_side_logits = pairs * x.shape[1] * weight.shape[0]
     ref_logps = None if ref_chosen_logps is None else torch.cat((ref_chosen_logps, ref_rejected_logps)).float()
     colsum, bias_sum = head_sums(weight, bias)
     fused = not compiled
 
-    def chunk_fn(xc, tc, ref_xc, ref_lp, w, b, ref_w, ref_b):
+    def chunk_fn(xc, tc, ref_xc, ref_lp, nll_tc, w, b, ref_w, ref_b):
         n = xc.shape[0] // 2
         logps, lp = sequence_logps(xc, w, b, tc, ignore_index, average_log_prob, fused)
         sums = logit_sums(xc, colsum, bias_sum)
@@ -124,15 +142,17 @@ def _run(pair_loss, options, x, weight, target, bias, ref_x=None, ref_weight=Non
                        chosen_logits_mean=sums[:n].sum() / per_side_logits,
                        rejected_logits_mean=sums[n:].sum() / per_side_logits)
         if nll_weight:
+            if nll_tc is not None:  # the chosen rows' head runs a second time, on nll_target
+                _, lp = sequence_logps(xc[:n], w, b, nll_tc[:n], ignore_index, False, fused)
             nll = -lp[:n].sum() / chosen_tokens
             loss = loss + nll_weight * nll
             metrics["nll_loss"] = nll
         return loss, metrics
 
-    rows = [torch.cat((c, c + pairs)) for c in contiguous_chunks(pairs, max(1, int(chunk_pairs)), x.device)]
+    rows = [torch.cat((c, c + pairs)) for c in contiguous_chunks(pairs, chunk_pairs, x.device, "chunk_pairs")]
     detach = (lambda t: t.detach() if t is not None else None)
-    return run_chunked(chunk_fn, [x, target, detach(ref_x), ref_logps], [weight, bias, detach(ref_weight),
-                                                                          detach(ref_bias)], rows, compiled)
+    return run_chunked(chunk_fn, [x, target, detach(ref_x), ref_logps, nll_target],
+                       [weight, bias, detach(ref_weight), detach(ref_bias)], rows, compiled)
 
 
 def dpo_loss(x, weight, target, bias=None, *, beta=0.1, loss_type="sigmoid", label_smoothing=0.0, ref_x=None,
@@ -149,11 +169,16 @@ def dpo_loss(x, weight, target, bias=None, *, beta=0.1, loss_type="sigmoid", lab
 
 
 def orpo_loss(x, weight, target, bias=None, *, beta=0.1, ignore_index=-100, compute_nll_loss=True, chunk_pairs=1,
-              compiled=False):
-    """ORPO: NLL of the chosen tokens minus beta * logsigmoid(log odds ratio) (average log-probs)."""
+              compiled=False, nll_target=None):
+    """ORPO: NLL of the chosen tokens minus beta * logsigmoid(log odds ratio) (average log-probs).
+
+    nll_target [2B, T] (as Liger's): the NLL term's targets instead of target's (Liger's ORPO
+    trainer passes the whole sequence, prompt tokens included); only its chosen half is read,
+    and the NLL is averaged over its non-ignored tokens. The odds ratio uses target. It costs a
+    second pass of the chosen rows through the head."""
     return _run(orpo_pair_loss, dict(beta=beta), x, weight, target, bias, ignore_index=ignore_index,
                 average_log_prob=True, nll_weight=1.0 if compute_nll_loss else 0.0, chunk_pairs=chunk_pairs,
-                compiled=compiled)
+                compiled=compiled, nll_target=nll_target)
 
 
 def cpo_loss(x, weight, target, bias=None, *, beta=0.1, label_smoothing=0.0, alpha=1.0, ignore_index=-100,
@@ -191,7 +216,12 @@ class TigonDPOLoss(_PreferenceLoss):
 
 
 class TigonORPOLoss(_PreferenceLoss):
+    """``loss, metrics = module(x, weight, target, bias=None, nll_target=None)``; see orpo_loss."""
+
     fn = staticmethod(orpo_loss)
+
+    def forward(self, x, weight, target, bias=None, nll_target=None, **kwargs):
+        return orpo_loss(x, weight, target, bias, **{**self.options, **kwargs, "nll_target": nll_target})
 
 
 class TigonCPOLoss(_PreferenceLoss):
@@ -203,12 +233,14 @@ class TigonSimPOLoss(_PreferenceLoss):
 
 
 def kto_loss(x, weight, target, preference_labels, bias=None, *, beta=0.1, desirable_weight=1.0,
-             undesirable_weight=1.0, kl=None, ref_x=None, ref_weight=None, ref_bias=None, ref_logps=None,
-             ignore_index=-100, average_log_prob=False, chunk_rows=2, compiled=False):
+             undesirable_weight=1.0, kl=None, clamp_kl=True, ref_x=None, ref_weight=None, ref_bias=None,
+             ref_logps=None, ignore_index=-100, average_log_prob=False, chunk_rows=2, compiled=False):
     """KTO over unpaired sequences x [N, T, H] with preference_labels [N] (True: desirable).
     The reference log-probs come from ref_x / ref_weight or ref_logps [N] (else 0); ``kl`` is
-    the batch's KL estimate (a float or 0-dim tensor, clamped at 0, no gradient; None: 0), as
-    TRL computes it from mismatched prompt / completion pairs. Mean over sequences."""
+    the batch's KL estimate (a number or one-element tensor, no gradient; None: 0), as TRL
+    computes it from mismatched prompt / completion pairs. ``clamp_kl=True`` clamps it at 0, as
+    TRL 1.16's KTOTrainer does (after its mean over ranks); ``clamp_kl=False`` takes it as
+    given, as Liger's chunked KTO loss does. Mean over sequences."""
     if x.ndim != 3 or target.shape != x.shape[:2]:
         raise ValueError(f"x must be [N, T, H] and target [N, T], got {tuple(x.shape)} and {tuple(target.shape)}")
     if preference_labels.shape != x.shape[:1] or preference_labels.dtype != torch.bool:
@@ -218,8 +250,12 @@ def kto_loss(x, weight, target, preference_labels, bias=None, *, beta=0.1, desir
         raise ValueError("ref_x must come with ref_weight and cover the same sequences as x")
     if ref_logps is not None and ref_logps.shape != x.shape[:1]:
         raise ValueError(f"ref_logps must be [{x.shape[0]}], got {tuple(ref_logps.shape)}")
+    if isinstance(kl, torch.Tensor) and kl.numel() != 1:
+        raise ValueError(f"kl must be one number (the batch's KL estimate), got a tensor of shape {tuple(kl.shape)}")
     n = x.shape[0]
-    kl_value = torch.as_tensor(0.0 if kl is None else kl, dtype=torch.float32, device=x.device).detach().clamp_min(0)
+    kl_value = torch.as_tensor(0.0 if kl is None else kl, dtype=torch.float32, device=x.device).detach().reshape(())
+    if clamp_kl:
+        kl_value = kl_value.clamp_min(0)
     ref_lp_all = None if ref_logps is None else ref_logps.float()
 
     def chunk_fn(xc, tc, labels, ref_xc, ref_lp, w, b, ref_w, ref_b):
@@ -235,7 +271,7 @@ def kto_loss(x, weight, target, preference_labels, bias=None, *, beta=0.1, desir
     detach = (lambda t: t.detach() if t is not None else None)
     return run_chunked(chunk_fn, [x, target, preference_labels, detach(ref_x), ref_lp_all],
                        [weight, bias, detach(ref_weight), detach(ref_bias)],
-                       contiguous_chunks(n, max(1, int(chunk_rows)), x.device), compiled)
+                       contiguous_chunks(n, chunk_rows, x.device), compiled)
 
 
 class TigonKTOLoss(_PreferenceLoss):

@@ -5,34 +5,42 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tigon import functional as F
+from tigon import functional as TF
 
 
 class TigonCrossEntropyLoss(nn.Module):
-    """``nn.CrossEntropyLoss`` computed by tigon's kernel (gradient formed in the forward pass).
+    """``nn.CrossEntropyLoss`` computed by tigon's kernel (gradient formed in the forward pass),
+    called as ``loss_fn(logits, target)`` with logits [..., V] (classes last) and target [...].
 
     Extra options: ``lse_square_scale`` (z-loss), ``softcap`` (tanh logit capping),
-    ``return_z_loss`` / ``return_token_accuracy``, ``inplace`` (gradient over the logits).
+    ``use_token_scaling``, ``return_z_loss`` / ``return_token_accuracy`` /
+    ``return_predicted_tokens``, ``inplace`` (gradient written over the logits; off by default,
+    as torch leaves its input alone).
     """
 
     def __init__(self, weight: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
                  label_smoothing: float = 0.0, lse_square_scale: float = 0.0, softcap: float | None = None,
-                 return_z_loss: bool = False, return_token_accuracy: bool = False, inplace: bool = True):
+                 use_token_scaling: bool = False, return_z_loss: bool = False, return_token_accuracy: bool = False,
+                 return_predicted_tokens: bool = False, inplace: bool = False):
         super().__init__()
         self.register_buffer("weight", weight)
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
-        self.lse_square_scale, self.softcap, self.inplace = lse_square_scale, softcap, inplace
+        self.lse_square_scale, self.softcap, self.use_token_scaling = lse_square_scale, softcap, use_token_scaling
         self.return_z_loss, self.return_token_accuracy = return_z_loss, return_token_accuracy
+        self.return_predicted_tokens, self.inplace = return_predicted_tokens, inplace
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor):
-        return F.cross_entropy(logits, target, self.ignore_index, self.reduction, self.label_smoothing, self.weight,
-                               self.lse_square_scale, self.softcap, self.return_z_loss, self.return_token_accuracy,
-                               self.inplace)
+        return TF.cross_entropy(
+            logits, target, ignore_index=self.ignore_index, reduction=self.reduction,
+            label_smoothing=self.label_smoothing, weight=self.weight, lse_square_scale=self.lse_square_scale,
+            softcap=self.softcap, use_token_scaling=self.use_token_scaling, return_z_loss=self.return_z_loss,
+            return_token_accuracy=self.return_token_accuracy, return_predicted_tokens=self.return_predicted_tokens,
+            inplace=self.inplace)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"label_smoothing={self.label_smoothing}, lse_square_scale={self.lse_square_scale}, "
-                f"softcap={self.softcap}")
+                f"softcap={self.softcap}, inplace={self.inplace}")
 
 
 class TigonFusedLinearCrossEntropyLoss(nn.Module):
@@ -44,20 +52,24 @@ class TigonFusedLinearCrossEntropyLoss(nn.Module):
 
     def __init__(self, ce_weight: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
                  label_smoothing: float = 0.0, lse_square_scale: float = 0.0, softcap: float | None = None,
-                 return_z_loss: bool = False, return_token_accuracy: bool = False, chunk_budget: int | None = None,
+                 use_token_scaling: bool = False, return_z_loss: bool = False, return_token_accuracy: bool = False,
+                 return_predicted_tokens: bool = False, chunk_budget: int | None = None,
                  accum_dtype: torch.dtype | None = None):
         super().__init__()
         self.register_buffer("ce_weight", ce_weight)
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
-        self.lse_square_scale, self.softcap = lse_square_scale, softcap
+        self.lse_square_scale, self.softcap, self.use_token_scaling = lse_square_scale, softcap, use_token_scaling
         self.return_z_loss, self.return_token_accuracy = return_z_loss, return_token_accuracy
+        self.return_predicted_tokens = return_predicted_tokens
         self.chunk_budget, self.accum_dtype = chunk_budget, accum_dtype
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None):
-        return F.fused_linear_cross_entropy(
-            x, weight, target, bias, self.ignore_index, self.reduction, self.label_smoothing, self.ce_weight,
-            self.lse_square_scale, self.softcap, self.return_z_loss, self.return_token_accuracy, self.chunk_budget,
-            self.accum_dtype)
+        return TF.fused_linear_cross_entropy(
+            x, weight, target, bias, ignore_index=self.ignore_index, reduction=self.reduction,
+            label_smoothing=self.label_smoothing, ce_weight=self.ce_weight, lse_square_scale=self.lse_square_scale,
+            softcap=self.softcap, use_token_scaling=self.use_token_scaling, return_z_loss=self.return_z_loss,
+            return_token_accuracy=self.return_token_accuracy, return_predicted_tokens=self.return_predicted_tokens,
+            chunk_budget=self.chunk_budget, accum_dtype=self.accum_dtype)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "

@@ -5,9 +5,8 @@ from tigon.ops.embedding import EmbeddingFunction, TiedGradSlot
 from tigon.ops.fused_add_rms_norm import FusedAddRMSNormFunction
 from tigon.ops.fused_linear_cross_entropy import FusedLinearCrossEntropyFunction
 from tigon.ops.glu import GLUFunction
-from tigon.ops.glu_linear import GLUDownProjFunction
-from tigon.ops.glu_mlp import GLUMLPFunction
-from tigon.ops.jsd import LinearJSDFunction
+from tigon.ops.glu_mlp import GLUDownProjFunction, GLUMLPFunction
+from tigon.ops.jsd import JSDFunction, LinearJSDFunction
 from tigon.ops.layer_norm import LayerNormFunction
 from tigon.ops.linear_token_logps import LinearTokenLogpsFunction
 from tigon.ops.rms_norm import RMSNormFunction
@@ -21,6 +20,7 @@ __all__ = [
     "GLUDownProjFunction",
     "GLUFunction",
     "GLUMLPFunction",
+    "JSDFunction",
     "LayerNormFunction",
     "LinearJSDFunction",
     "LinearTokenLogpsFunction",

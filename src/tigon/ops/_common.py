@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
+import math
 import os
 from typing import NamedTuple
 
 import torch
-import triton
 
 # When set (the test suite sets it), every output buffer starts as NaN instead of
 # uninitialised memory, so an element a kernel forgot to write fails the comparison.
@@ -36,101 +35,20 @@ def interpreter_enabled() -> bool:
     return _INTERPRETER
 
 
-# ---- kernel launches ----
-#
-# Triton's ``kernel[grid](...)`` binds and specializes every argument and looks its compiled
-# kernel up on each call: ~30 us of host time per launch on an H100 machine's host, against
-# ~9 us for calling the compiled kernel itself (benchmarks/host_overhead.py). A checkpointed
-# Llama-1B training step launches ~300 of tigon's kernels. ``launch`` keeps the compiled kernel
-# per (kernel, device, argument specialization, constexprs) and calls it directly after the first
-# launch, which goes through Triton (and compiles). The key is at least as fine as Triton's own
-# specialization: tensors by dtype and 16-byte alignment, ints by ==1, %16 and 32-bit range.
-# Off under the interpreter, with launch hooks set (profilers), or with TIGON_FAST_LAUNCH=0.
-
-_FAST_LAUNCH = os.environ.get("TIGON_FAST_LAUNCH", "1") == "1" and not _INTERPRETER
-_LAUNCHES: dict = {}
-_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
-    lambda device: torch.cuda.current_stream(device).cuda_stream)
+# Bytes of logits one chunk of a chunked loss may hold (fused linear cross entropy, the
+# post-training losses): the one default every chunked op uses. 512 MiB keeps FLCE within
+# 1.07x of its three matmuls on an H100 at BT 8192, H 4096, V 128256 (benchmarks/tuning).
+DEFAULT_CHUNK_BUDGET = 512 * 2**20
 
 
-class _Uncached(Exception):
-    pass
-
-
-def _arg_spec(a):
-    kind = type(a)
-    if kind is int:
-        return a == 1, a % 16 == 0, -(2**31) <= a < 2**31, a >= 2**63
-    if kind is float:
-        return float
-    if a is None:
-        return None
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() % 16 == 0
-    if kind is bool:
-        return bool, a
-    raise _Uncached
-
-
-_PLAIN_OPTIONS = (int, bool, float, str, type(None))
-
-
-def _options_key(options):
-    items = tuple(options.items())
-    for _, value in items:
-        if type(value) not in _PLAIN_OPTIONS:  # a runtime argument by keyword: not cached
-            raise _Uncached
-    return items
-
-
-def _hook_set(hook) -> bool:
-    # Triton >= 3.5 keeps hooks in a HookChain (set when its list of calls is not empty).
-    return hook is not None and bool(getattr(hook, "calls", True))
-
-
-def _launch_hooks_set() -> bool:
-    """Launch hooks (profilers) are set, or this Triton keeps them elsewhere: launch through it."""
-    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    if runtime is None or not hasattr(runtime, "launch_enter_hook"):
-        return True
-    return _hook_set(runtime.launch_enter_hook) or _hook_set(getattr(runtime, "launch_exit_hook", None))
-
-
-def fast_launch_enabled() -> bool:
-    return _FAST_LAUNCH
-
-
-def set_fast_launch(enabled: bool) -> None:
-    """Turn the cached launch path on or off (off: every launch goes through Triton's own)."""
-    global _FAST_LAUNCH
-    _FAST_LAUNCH = bool(enabled) and not _INTERPRETER
-
-
-def launch(kernel, grid, *args, **options) -> None:
-    """``kernel[grid](*args, **options)``: runtime arguments positional (in the kernel's order),
-    constexprs and num_warps / num_stages by keyword."""
-    if not _FAST_LAUNCH or _launch_hooks_set():
-        kernel[grid](*args, **options)
-        return
-    device = torch.cuda.current_device()
-    try:
-        key = (kernel, device, tuple(map(_arg_spec, args)), _options_key(options))
-        entry = _LAUNCHES.get(key)
-    except _Uncached:  # an argument kind Triton specializes otherwise
-        kernel[grid](*args, **options)
-        return
-    if entry is None:
-        compiled = kernel[grid](*args, **options)  # compiles if needed, and launches
-        if compiled is None:
-            return
-        params = list(inspect.signature(kernel.fn).parameters.values())[len(args):]
-        tail = tuple(options[p.name] if p.name in options else p.default for p in params)
-        _LAUNCHES[key] = (compiled.run, compiled.function, compiled.packed_metadata, tail)
-        return
-    run, function, metadata, tail = entry
-    n = len(grid)
-    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _current_raw_stream(device),
-        function, metadata, None, None, None, *args, *tail)
+def chunk_budget_bytes(chunk_budget) -> int:
+    """``chunk_budget`` (bytes, or None for the default) checked: a positive integer."""
+    if chunk_budget is None:
+        return DEFAULT_CHUNK_BUDGET
+    if isinstance(chunk_budget, bool) or not isinstance(chunk_budget, int) or chunk_budget <= 0:
+        raise ValueError(f"chunk_budget must be a positive number of bytes (or None for "
+                         f"{DEFAULT_CHUNK_BUDGET // 2**20} MiB), got {chunk_budget!r}")
+    return chunk_budget
 
 
 @contextlib.contextmanager
@@ -178,8 +96,10 @@ def check_tensor(name: str, t, *, ndim=None, min_ndim=None, floating=True) -> No
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if floating and not t.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-    if floating and t.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
-        raise TypeError(f"{name} has dtype {t.dtype}; tigon kernels take float32, float16 or bfloat16")
+    if floating and t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        # float64 included: the kernels compute in fp32, which a float64 caller would not expect.
+        raise TypeError(f"{name} has dtype {t.dtype}; tigon kernels take float32, float16 or bfloat16 "
+                        "(they compute in float32; use torch's own op for float64)")
     if ndim is not None and t.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
     if min_ndim is not None and t.ndim < min_ndim:
@@ -187,6 +107,14 @@ def check_tensor(name: str, t, *, ndim=None, min_ndim=None, floating=True) -> No
     if t.device.type == "cuda":
         return
     if t.device.type == "cpu" and interpreter_enabled():
+        from tigon.ops._internals import triton_imported_before_interpreter
+
+        if triton_imported_before_interpreter():
+            raise RuntimeError(
+                "TRITON_INTERPRET=1 was set after triton had been imported (transformers, for one, imports "
+                "it), so Triton's own functions are compiled code and its interpreter cannot run tigon's "
+                "kernels: set TRITON_INTERPRET=1 in the shell, or before the first import of torch, "
+                "transformers or triton")
         return
     if t.device.type == "cpu":
         raise ValueError(
@@ -215,7 +143,7 @@ def check_same_dtype(**tensors) -> None:
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """View x as [rows, last_dim] with unit stride along the last dim (copies only if it must)."""
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < x2.shape[1]):
         x2 = x2.contiguous()
     return x2
@@ -257,41 +185,6 @@ def accumulate_mm(acc, a, b, first=False):
 # drop: activations.
 
 
-def _checkpoint_pack_hook():
-    """The pack hook of the innermost torch.utils.checkpoint (non-reentrant) region we are in,
-    unwrapped, or None."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if hooks is None:
-        return None
-    pack = inspect.unwrap(hooks[0])
-    name = getattr(pack, "__qualname__", "")
-    return pack if ("_checkpoint_hook" in name or "_recomputation_hook" in name) else None
-
-
-def under_checkpoint() -> bool:
-    """True inside a non-reentrant torch.utils.checkpoint region (its forward or its
-    recomputation), where what a Function saves is dropped and recomputed later."""
-    try:
-        return _checkpoint_pack_hook() is not None
-    except Exception:  # checkpoint's internals moved: behave as outside
-        return False
-
-
-def checkpoint_recompute_stops_after(n_saved: int) -> bool:
-    """True when this is checkpoint's recomputation and it stops (its early stop) as soon as the
-    next ``n_saved`` tensors are saved: then the caller's output is never read, only what it
-    saves. Reads checkpoint's private state; anything unexpected gives False (compute as usual)."""
-    try:
-        pack = _checkpoint_pack_hook()
-        if pack is None or "_recomputation_hook" not in pack.__qualname__:
-            return False
-        cells = dict(zip(pack.__code__.co_freevars, (c.cell_contents for c in pack.__closure__)))
-        frame, gid = cells["target_frame_ref"](), cells["gid"]
-        return bool(frame.early_stop) and len(frame.weak_holders) - frame.recomp_counter[gid] == n_saved
-    except Exception:
-        return False
-
-
 # Largest row a one-block-per-row kernel holds in registers (fp32: 256 KiB per program at
 # 32 warps); wider rows would spill, so they are refused rather than silently slow.
 MAX_FUSED_ROW = 65536
@@ -307,7 +200,7 @@ class RowConfig(NamedTuple):
 def row_block_config(n_cols: int, backward: bool = False, name: str = "hidden size") -> RowConfig:
     """Launch shape of the kernels that keep whole rows in registers.
 
-    Measured on an H100 (benchmarks/tune_kernels.py, bf16, rows of 896 to 8192): the forward
+    Measured on an H100 (benchmarks/tuning/tune_kernels.py, bf16, rows of 896 to 8192): the forward
     reaches 92-94% of copy bandwidth with ~4K elements a program and a warp per ~1K elements.
     The persistent backward needs more bytes in flight: for rows up to 1024, 4 warps and 8
     programs an SM (78-89%); for longer rows ~16K elements a step, 16 warps, 2 programs an SM

@@ -1,18 +1,24 @@
 """Cross entropy over logits [N, V] with the gradient computed in the forward pass.
 
-One program per row: a first pass over the row computes the log-sum-exp online (and, as
-asked, the smoothing sum, the argmax for token accuracy); a second pass writes
-d loss / d logits, by default over the logits themselves (the logits buffer becomes the
-gradient: no [N, V] allocation, no fp32 copy). The first pass asks L2 to keep the row
-(evict_last), so the second pass mostly reads it from L2 rather than HBM.
+One program per row: a first pass over the row computes the row maximum and the sum of
+exponentials online (and, as asked, the smoothing sum, the argmax for token accuracy and
+predicted tokens); a second pass writes d loss / d logits, into a new buffer or, with
+``inplace`` (what FLCE and the patched models use on logits they own), over the logits
+themselves (no [N, V] allocation). The first pass asks L2 to keep the row (evict_last), so
+the second pass mostly reads it from L2 rather than HBM.
 
 Loss per non-ignored row i, with class weights w (ones if none), smoothing eps, z = logits
 (after tanh soft-capping if ``softcap``), lse = logsumexp(z):
     ce_i = (1 - eps) w[y_i] (lse - z[y_i]) + eps / V * sum_j w_j (lse - z_j)   (as torch)
     zl_i = lse_square_scale * lse^2                                              (z-loss)
+With ``use_token_scaling`` both are multiplied by p_i(y_i) (detached; Liger's option).
 "mean" divides the ce terms by sum_i w[y_i] and the z-loss terms by the number of
 non-ignored rows; "sum" adds; "none" returns per-row values. An all-ignored batch gives a
-loss of 0 and a zero gradient.
+loss of 0 and a zero gradient. ``ignore_index`` may be any int, inside [0, V) or not.
+
+The gradient is formed once, for grad_output = 1; the backward scales it by grad_output, in
+place when autograd frees the graph after that backward, into a new buffer when the graph is
+retained (so a second backward over it is exact).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -30,11 +37,11 @@ from tigon.ops._common import (
     cdiv,
     check_same_device,
     check_tensor,
-    launch,
     new_output,
     next_pow2,
     thread_flag,
 )
+from tigon.ops._internals import graph_retained, launch
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -91,16 +98,22 @@ def soft_cap(x, cap):
 @triton.jit
 def cross_entropy_kernel(
     LOGITS, stride_logits, GRAD, stride_grad, TARGET, WEIGHT, NORMS,
-    LOSS, Z_LOSS, CORRECT,
+    LOSS, Z_LOSS, PREDICTED,
     n_rows, n_cols, ignore_index, label_smoothing, lse_square_scale, softcap,
     HAS_WEIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-    HAS_Z_LOSS: tl.constexpr, COMPUTE_GRAD: tl.constexpr, COMPUTE_ACCURACY: tl.constexpr,
-    BLOCK_V: tl.constexpr, REVERSE: tl.constexpr = True,
+    HAS_Z_LOSS: tl.constexpr, COMPUTE_GRAD: tl.constexpr, COMPUTE_ARGMAX: tl.constexpr,
+    TOKEN_SCALING: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Per row: LOSS[row] (ce, unnormalised), Z_LOSS[row], CORRECT[row]; GRAD row (normalised
-    by NORMS = [ce_norm, z_norm, sum of class weights], as for grad_output = 1). GRAD may
-    alias LOGITS. Each program walks rows pid, pid + programs, ...: a grid smaller than n_rows
-    bounds the rows in flight (and so the L2 footprint between a row's two passes)."""
+    """Per row: LOSS[row] (ce, unnormalised), Z_LOSS[row], PREDICTED[row] (argmax, -1 where
+    ignored); GRAD row (normalised by NORMS = [ce_norm, z_norm, sum of class weights], as for
+    grad_output = 1). GRAD may alias LOGITS. Each program walks rows pid, pid + programs, ...:
+    a grid smaller than n_rows bounds the rows in flight (and so the L2 footprint between a
+    row's two passes).
+
+    Numerics: with m the row maximum and s = sum exp(z - m), the loss is (m - z_y) + log s and
+    the probabilities exp(z - m) / s, never z - lse: lse rounded at the logits' magnitude (1e4
+    in fp32) would cost the gradient its low bits. TOKEN_SCALING multiplies the row's loss,
+    z-loss and gradient by p(target) (a constant: no gradient flows through it)."""
     offs = tl.arange(0, BLOCK_V)
     for task in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = tl.cast(task, tl.int64)
@@ -111,8 +124,8 @@ def cross_entropy_kernel(
             tl.store(LOSS + row, 0.0)
             if HAS_Z_LOSS:
                 tl.store(Z_LOSS + row, 0.0)
-            if COMPUTE_ACCURACY:
-                tl.store(CORRECT + row, 0.0)
+            if COMPUTE_ARGMAX:
+                tl.store(PREDICTED + row, -1)
             if COMPUTE_GRAD:
                 for start in range(0, n_cols, BLOCK_V):
                     cols = start + offs
@@ -127,6 +140,9 @@ def cross_entropy_kernel(
             # afterwards: a separate load after pass 1 read the gradient pass 2 had already
             # written over it in place (wrong losses on the H100, depending on the launch).
             z_y = 0.0
+            # The smoothing sum is taken relative to the first block's maximum (ref), so that
+            # sum_j w_j (lse - z_j) keeps its precision when the logits are large.
+            ref = 0.0
             sum_wz_acc = tl.zeros([BLOCK_V], dtype=tl.float32)
             best = -float("inf")
             best_idx = 0
@@ -145,47 +161,55 @@ def cross_entropy_kernel(
                 s = s * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), axis=0)
                 m = new_m
                 if HAS_SMOOTHING:
+                    if start == 0:
+                        ref = tl.where(block_max > -float("inf"), block_max, 0.0)
                     if HAS_WEIGHT:
                         w = tl.load(WEIGHT + cols, mask=mask, other=0.0).to(tl.float32)
-                        sum_wz_acc += tl.where(mask, x, 0.0) * w
+                        sum_wz_acc += tl.where(mask, x - ref, 0.0) * w
                     else:
-                        sum_wz_acc += tl.where(mask, x, 0.0)
-                if COMPUTE_ACCURACY:
+                        sum_wz_acc += tl.where(mask, x - ref, 0.0)
+                if COMPUTE_ARGMAX:
                     block_arg = tl.argmax(x, axis=0)
                     take = block_max > best  # strict: the first maximum wins, as torch.argmax
                     best_idx = tl.where(take, start + block_arg, best_idx)
                     best = tl.where(take, block_max, best)
-            lse = m + tl.log(s)
-            sum_wz = tl.sum(sum_wz_acc, axis=0)
+            log_s = tl.log(s)
+            inv_s = 1.0 / s
             w_y = 1.0
             if HAS_WEIGHT:
                 w_y = tl.load(WEIGHT + y_safe).to(tl.float32)
-            loss = (1.0 - label_smoothing) * w_y * (lse - z_y)
+            loss = (1.0 - label_smoothing) * w_y * ((m - z_y) + log_s)
             weight_sum = n_cols * 1.0
             if HAS_WEIGHT and HAS_SMOOTHING:
                 weight_sum = tl.load(NORMS + 2)
             if HAS_SMOOTHING:
-                loss += label_smoothing / n_cols * (weight_sum * lse - sum_wz)
-            loss = tl.where(bad, float("nan"), loss)
+                sum_wz = tl.sum(sum_wz_acc, axis=0)
+                loss += label_smoothing / n_cols * (weight_sum * ((m - ref) + log_s) - sum_wz)
+            token_scale = 1.0
+            if TOKEN_SCALING:
+                token_scale = tl.exp(z_y - m) * inv_s
+            loss = tl.where(bad, float("nan"), loss * token_scale)
             tl.store(LOSS + row, loss)
+            lse = m + log_s
             if HAS_Z_LOSS:
-                tl.store(Z_LOSS + row, lse_square_scale * lse * lse)
-            if COMPUTE_ACCURACY:
-                tl.store(CORRECT + row, tl.where(best_idx == y, 1.0, 0.0))
+                tl.store(Z_LOSS + row, lse_square_scale * lse * lse * token_scale)
+            if COMPUTE_ARGMAX:
+                tl.store(PREDICTED + row, best_idx.to(tl.int64))
             if COMPUTE_GRAD:
-                ce_scale = 1.0 / tl.load(NORMS)
-                z_scale = 1.0 / tl.load(NORMS + 1)
+                ce_scale = token_scale / tl.load(NORMS)
+                z_scale = token_scale / tl.load(NORMS + 1)
                 n_blocks = tl.cdiv(n_cols, BLOCK_V)
                 for i in range(0, n_blocks):
-                    # REVERSE: the blocks pass 1 read last, most likely still in L2, are read first.
-                    start = (n_blocks - 1 - i) * BLOCK_V if REVERSE else i * BLOCK_V
+                    # Backwards: the blocks pass 1 read last, most likely still in L2, are read
+                    # first (H100: 5-7% faster than forwards; benchmarks/NOTES.md).
+                    start = (n_blocks - 1 - i) * BLOCK_V
                     cols = start + offs
                     mask = cols < n_cols
                     x = tl.load(logits_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
                     x = x.to(tl.float32)
                     if HAS_SOFTCAP:
                         x, t = soft_cap(x, softcap)
-                    p = tl.exp(x - lse)
+                    p = tl.exp(x - m) * inv_s
                     g = (1.0 - label_smoothing) * w_y * (p - tl.where(cols == y, 1.0, 0.0))
                     if HAS_SMOOTHING:
                         if HAS_WEIGHT:
@@ -203,51 +227,75 @@ def cross_entropy_kernel(
 
 
 @triton.jit
-def scale_rows_kernel(X, stride_x, SCALE, stride_scale, n_cols, BLOCK: tl.constexpr):
-    """X[row] *= SCALE[row * stride_scale] (stride 0: one scalar), in place. A row whose
-    scale is exactly 1 is left untouched without reading it: the common grad_output = 1
-    costs a launch, not a pass over X."""
-    row = tl.program_id(0).to(tl.int64)
-    scale = tl.load(SCALE + row * stride_scale).to(tl.float32)
-    if scale != 1.0:
-        offs = tl.arange(0, BLOCK)
-        for start in range(0, n_cols, BLOCK):
-            cols = start + offs
-            mask = cols < n_cols
-            x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(X + row * stride_x + cols, (x * scale).to(X.dtype.element_ty), mask=mask)
+def scale_row_block(X, Y, scale, cols, n_cols):
+    mask = cols < n_cols
+    x = tl.load(X + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + cols, (x * scale).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def scale_kernel(X, SCALE, n_elements, BLOCK: tl.constexpr):
-    """X *= SCALE[0] over a contiguous X, in place; nothing is read when SCALE is exactly 1."""
+def scale_rows_kernel(X, stride_x, Y, stride_y, SCALE, stride_scale, n_cols, IN_PLACE: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """Y[row] = X[row] * SCALE[row * stride_scale] (stride 0: one scalar). In place (Y is X), a
+    row whose scale is exactly 1 is left untouched without reading it: the common
+    grad_output = 1 costs a launch, not a pass over X."""
+    row = tl.program_id(0).to(tl.int64)
+    scale = tl.load(SCALE + row * stride_scale).to(tl.float32)
+    offs = tl.arange(0, BLOCK)
+    if IN_PLACE:
+        if scale != 1.0:
+            for start in range(0, n_cols, BLOCK):
+                scale_row_block(X + row * stride_x, X + row * stride_x, scale, start + offs, n_cols)
+    else:
+        for start in range(0, n_cols, BLOCK):
+            scale_row_block(X + row * stride_x, Y + row * stride_y, scale, start + offs, n_cols)
+
+
+@triton.jit
+def scale_kernel(X, Y, SCALE, n_elements, IN_PLACE: tl.constexpr, BLOCK: tl.constexpr):
+    """Y = X * SCALE[0] over contiguous X and Y; in place, nothing is read when SCALE is 1."""
     scale = tl.load(SCALE).to(tl.float32)
-    if scale != 1.0:
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n_elements
-        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(X + offs, (x * scale).to(X.dtype.element_ty), mask=mask)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if IN_PLACE:
+        if scale != 1.0:
+            scale_row_block(X, X, scale, offs, n_elements)
+    else:
+        scale_row_block(X, Y, scale, offs, n_elements)
 
 
-def scale_rows_(x2, scale):
-    """x2 [M, N] (unit last stride) *= scale (a one-element tensor, or [M] per row), in place."""
+def scale_rows(x2, scale, out=None):
+    """x2 [M, N] (unit last stride) * scale (a one-element tensor, or [M] per row), into ``out``
+    (a new [M, N] buffer, or x2 itself: in place). Returns out."""
+    out = x2 if out is None else out
     if not x2.numel():
-        return x2
-    if scale.numel() == 1 and x2.is_contiguous():
+        return out
+    in_place = out is x2
+    if scale.numel() == 1 and x2.is_contiguous() and out.is_contiguous():
         block = 4096
-        launch(scale_kernel, (cdiv(x2.numel(), block),), x2, scale.reshape(1), x2.numel(), BLOCK=block, num_warps=8)
-        return x2
+        launch(scale_kernel, (cdiv(x2.numel(), block),), x2, out, scale.reshape(1), x2.numel(),
+               IN_PLACE=in_place, BLOCK=block, num_warps=8)
+        return out
     stride = 0 if scale.numel() == 1 else scale.stride(0)
     block = min(4096, next_pow2(x2.shape[1]))
-    launch(scale_rows_kernel, (x2.shape[0],), x2, x2.stride(0), scale.reshape(-1), stride, x2.shape[1],
-           BLOCK=block, num_warps=8 if block >= 4096 else 4)
-    return x2
+    launch(scale_rows_kernel, (x2.shape[0],), x2, x2.stride(0), out, out.stride(0), scale.reshape(-1), stride,
+           x2.shape[1], IN_PLACE=in_place, BLOCK=block, num_warps=8 if block >= 4096 else 4)
+    return out
+
+
+def scaled_gradient(grad, scale):
+    """A gradient formed in the forward pass, times grad_output ``scale`` (fp32, one element or
+    one per row), for a backward: over ``grad`` itself when the graph is freed after this
+    backward (no copy; autograd may adopt the buffer as .grad), else into a new buffer, so that
+    ``grad`` is still exact for the next backward over the retained graph."""
+    if graph_retained():
+        return scale_rows(grad, scale, out=torch.empty_like(grad))
+    return scale_rows(grad, scale)
 
 
 def ce_launch_config(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int]:
     """(programs, BLOCK_V, num_warps) for n_rows rows of n_cols logits.
 
-    H100 sweep (benchmarks/tune_cross_entropy.py): one program a row, the second pass walking
+    H100 sweep (benchmarks/tuning/tune_cross_entropy.py): one program a row, the second pass walking
     the row backwards, BLOCK_V 8192-16384 at a warp per 1K elements: 67-71% of the read-once
     floor at V = 128K-152K, 82% at V = 32K. Persistent grids of 1-4 programs an SM (fewer
     rows in flight, hoping the second pass hits L2) were no faster.
@@ -258,26 +306,52 @@ def ce_launch_config(n_rows: int, n_cols: int, device: torch.device) -> tuple[in
     return max(1, programs), block, warps
 
 
-def check_cross_entropy_options(target, n_rows, n_classes, weight, reduction, label_smoothing, softcap,
-                                ignore_index):
-    """Checks shared by cross entropy and the fused linear version, for logits [n_rows, n_classes]."""
+@dataclass(frozen=True)
+class CrossEntropyOptions:
+    """What a cross-entropy call computes besides the logits and the target (shared by cross
+    entropy, the fused linear version and the linear-head log-probs)."""
+
+    ignore_index: int = -100
+    reduction: str = "mean"
+    label_smoothing: float = 0.0
+    weight: torch.Tensor | None = None  # class weights [V]
+    lse_square_scale: float = 0.0  # z-loss
+    softcap: float | None = None
+    use_token_scaling: bool = False
+    return_z_loss: bool = False
+    return_token_accuracy: bool = False
+    return_predicted_tokens: bool = False
+
+    @property
+    def compute_argmax(self) -> bool:
+        return self.return_token_accuracy or self.return_predicted_tokens
+
+
+def check_cross_entropy_options(target, n_rows, n_classes, opts: CrossEntropyOptions):
+    """Checks shared by cross entropy and the fused linear version, for logits [n_rows, n_classes]
+    and target [n_rows]."""
     check_tensor("target", target, ndim=1, floating=False)
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"target must be int64 or int32 class indices, got {target.dtype}")
     if target.shape[0] != n_rows:
         raise ValueError(f"target has {target.shape[0]} rows but the logits have {n_rows} (logits [N, V], target [N])")
-    if weight is not None:
-        check_tensor("weight", weight, ndim=1)
-        if weight.shape[0] != n_classes:
-            raise ValueError(f"weight has {weight.shape[0]} entries but the logits have {n_classes} classes")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be positive or None, got {softcap}")
+    if isinstance(opts.ignore_index, bool) or not isinstance(opts.ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {opts.ignore_index!r}")
+    if opts.weight is not None:
+        check_tensor("weight", opts.weight, ndim=1)
+        if opts.weight.shape[0] != n_classes:
+            raise ValueError(f"weight has {opts.weight.shape[0]} entries but the logits have {n_classes} classes")
+    if opts.reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {opts.reduction!r}")
+    if not 0.0 <= opts.label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {opts.label_smoothing}")
+    if opts.softcap is not None and not opts.softcap > 0:
+        raise ValueError(f"softcap must be positive or None, got {opts.softcap}")
+    if not opts.lse_square_scale >= 0:
+        raise ValueError(f"lse_square_scale must be >= 0, got {opts.lse_square_scale}")
     if CHECK_LABELS and target.numel() and not capturing():
-        bad = ((target < 0) & (target != ignore_index)) | (target >= n_classes)
+        ignore_index = opts.ignore_index
+        bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
         if target.is_cuda and getattr(_DEFERRAL, "on", False):
             _queue_label_check(bad, target, n_classes, ignore_index)
         elif bool(bad.any()):
@@ -286,23 +360,17 @@ def check_cross_entropy_options(target, n_rows, n_classes, weight, reduction, la
                              "(set TIGON_CHECK_LABELS=0 to skip this check, which syncs with the GPU)")
 
 
-def check_cross_entropy_args(logits, target, weight, reduction, label_smoothing, softcap, ignore_index):
-    check_tensor("logits", logits, ndim=2)
-    check_cross_entropy_options(target, logits.shape[0], logits.shape[1], weight, reduction, label_smoothing,
-                                softcap, ignore_index)
-    check_same_device(logits=logits, target=target, weight=weight)
-
-
-def cross_entropy_norms(target, weight, ignore_index, reduction):
+def cross_entropy_norms(target, opts: CrossEntropyOptions):
     """Device tensor [ce_norm, z_norm, weight_sum] (no host sync): what "mean" divides the ce
     and z-loss terms by (sum of target-class weights, number of non-ignored rows; ones for the
     other reductions), and the sum of the class weights (label smoothing). A zero norm (all
     rows ignored) becomes 1: the sums are then 0 and so is the loss."""
+    weight = opts.weight
     weight_sum = weight.float().sum() if weight is not None else torch.zeros((), device=target.device)
-    if reduction != "mean":
+    if opts.reduction != "mean":
         ones = torch.ones((), dtype=torch.float32, device=target.device)
         return torch.stack((ones, ones, weight_sum))
-    valid = target != ignore_index
+    valid = target != opts.ignore_index
     count = valid.sum().to(torch.float32)
     if weight is not None:
         w_y = weight.float()[torch.where(valid, target, 0)] * valid
@@ -313,29 +381,31 @@ def cross_entropy_norms(target, weight, ignore_index, reduction):
     return torch.cat((torch.where(norms != 0, norms, torch.ones_like(norms)), weight_sum.reshape(1)))
 
 
-def cross_entropy_rows(logits2, target, weight, norms, grad, ignore_index, label_smoothing, lse_square_scale,
-                       softcap, compute_accuracy):
-    """Launch on checked inputs: -> (loss_rows, z_rows or None, correct_rows or None), fp32 [N].
-    grad (None: no gradient) receives d loss / d logits for grad_output = 1; it may be logits2."""
+def cross_entropy_rows(logits2, target, norms, grad, opts: CrossEntropyOptions):
+    """Launch on checked inputs (target and class weights contiguous): -> (loss_rows fp32 [N],
+    z_rows fp32 [N] or None, predicted int64 [N] or None). grad (None: no gradient) receives
+    d loss / d logits for grad_output = 1; it may be logits2."""
     n_rows, n_cols = logits2.shape
     device = logits2.device
     loss = new_output((n_rows,), torch.float32, device)
-    z_rows = new_output((n_rows,), torch.float32, device) if lse_square_scale else None
-    correct = new_output((n_rows,), torch.float32, device) if compute_accuracy else None
+    z_rows = new_output((n_rows,), torch.float32, device) if opts.lse_square_scale else None
+    predicted = torch.empty((n_rows,), dtype=torch.int64, device=device) if opts.compute_argmax else None
     programs, block, num_warps = ce_launch_config(n_rows, n_cols, device)
+    weight = opts.weight
     if n_rows:
         launch(cross_entropy_kernel, (programs,),
             logits2, logits2.stride(0), grad if grad is not None else logits2,
             grad.stride(0) if grad is not None else 0,
             target, weight if weight is not None else norms, norms,
-            loss, z_rows if z_rows is not None else loss, correct if correct is not None else loss,
-            n_rows, n_cols, ignore_index, float(label_smoothing), float(lse_square_scale),
-            float(softcap) if softcap else 1.0,
-            HAS_WEIGHT=weight is not None, HAS_SOFTCAP=bool(softcap), HAS_SMOOTHING=label_smoothing > 0,
-            HAS_Z_LOSS=bool(lse_square_scale), COMPUTE_GRAD=grad is not None, COMPUTE_ACCURACY=compute_accuracy,
+            loss, z_rows if z_rows is not None else loss, predicted if predicted is not None else target,
+            n_rows, n_cols, opts.ignore_index, float(opts.label_smoothing), float(opts.lse_square_scale),
+            float(opts.softcap) if opts.softcap else 1.0,
+            HAS_WEIGHT=weight is not None, HAS_SOFTCAP=bool(opts.softcap), HAS_SMOOTHING=opts.label_smoothing > 0,
+            HAS_Z_LOSS=bool(opts.lse_square_scale), COMPUTE_GRAD=grad is not None,
+            COMPUTE_ARGMAX=opts.compute_argmax, TOKEN_SCALING=bool(opts.use_token_scaling),
             BLOCK_V=block, num_warps=num_warps,
         )
-    return loss, z_rows, correct
+    return loss, z_rows, predicted
 
 
 def reduce_rows(rows, norm, reduction):
@@ -348,54 +418,67 @@ def reduce_rows(rows, norm, reduction):
     return total / norm if reduction == "mean" else total
 
 
-def reduce_loss_rows(loss_rows, z_rows, correct, norms, target, ignore_index, reduction):
-    """Per-row ce, z-loss and correctness -> (loss including the z-loss, z_loss, token accuracy)."""
-    loss = reduce_rows(loss_rows, norms[0], reduction)
-    z_loss = reduce_rows(z_rows, norms[1], reduction)
+def reduce_loss_rows(loss_rows, z_rows, predicted, norms, target, opts: CrossEntropyOptions):
+    """Per-row ce, z-loss and predictions -> (loss including the z-loss, z_loss, token accuracy,
+    predicted tokens), each None unless asked for (the loss always)."""
+    loss = reduce_rows(loss_rows, norms[0], opts.reduction)
+    z_loss = reduce_rows(z_rows, norms[1], opts.reduction)
     if z_loss is not None:
         loss = loss + z_loss
     accuracy = None
-    if correct is not None:
-        accuracy = correct if reduction == "none" else correct.sum() / (target != ignore_index).sum().clamp_min(1)
-    return loss, z_loss, accuracy
+    if opts.return_token_accuracy:
+        valid = target != opts.ignore_index
+        correct = ((predicted == target) & valid).float()
+        accuracy = correct if opts.reduction == "none" else correct.sum() / valid.sum().clamp_min(1)
+    return (loss, z_loss if opts.return_z_loss else None, accuracy,
+            predicted if opts.return_predicted_tokens else None)
+
+
+def rows_alias(x2: torch.Tensor) -> bool:
+    """True when rows of x2 [M, N] (unit last stride) share memory (an expanded or overlapping
+    view): a gradient written over it would be written into memory every such row shares."""
+    return x2.shape[0] > 1 and x2.shape[1] > 0 and x2.stride(0) < x2.shape[1]
 
 
 class CrossEntropyFunction(torch.autograd.Function):
-    """(loss, z_loss, token_accuracy); the last two are None unless asked for. With
-    inplace=True (default) the logits buffer is overwritten by its gradient when logits
-    require grad; its version counter is bumped so any other saved use of it fails loudly."""
+    """(loss, z_loss, token_accuracy, predicted_tokens) of logits [N, V] and target [N]; the
+    extras are None unless ``opts`` asks for them. With ``inplace`` the logits buffer is
+    overwritten by its gradient when logits require grad (unless its rows share memory, where
+    a new buffer is used); its version counter is bumped so any other saved use of it fails
+    loudly."""
 
     @staticmethod
-    def forward(ctx, logits, target, ignore_index=-100, reduction="mean", label_smoothing=0.0, weight=None,
-                lse_square_scale=0.0, softcap=None, return_z_loss=False, return_token_accuracy=False,
-                inplace=True, grad_enabled=True):
-        check_cross_entropy_args(logits, target, weight, reduction, label_smoothing, softcap, ignore_index)
+    def forward(ctx, logits, target, opts: CrossEntropyOptions, inplace=False, grad_enabled=True):
+        check_tensor("logits", logits, ndim=2)
+        check_cross_entropy_options(target, logits.shape[0], logits.shape[1], opts)
+        check_same_device(logits=logits, target=target, weight=opts.weight)
+        target = target.contiguous()
+        if opts.weight is not None and not opts.weight.is_contiguous():
+            opts = replace(opts, weight=opts.weight.contiguous())
         logits2 = logits if logits.stride(-1) == 1 else logits.contiguous()
         # forward runs with grad mode off: the caller's mode arrives as grad_enabled.
         needs_grad = ctx.needs_input_grad[0] and grad_enabled
-        norms = cross_entropy_norms(target, weight, ignore_index, reduction)
+        norms = cross_entropy_norms(target, opts)
         grad = None
+        in_place = inplace and not rows_alias(logits2)
         if needs_grad:
             # A detached alias, not logits itself: autograd can then adopt the buffer as the
             # gradient without copying it (it copies tensors that are referenced elsewhere).
-            grad = logits2.detach() if inplace else new_output(logits2.shape, logits2.dtype, logits2.device)
-        loss_rows, z_rows, correct = cross_entropy_rows(
-            logits2, target, weight, norms, grad, ignore_index, label_smoothing, lse_square_scale, softcap,
-            return_token_accuracy)
-        if needs_grad and inplace and logits2 is logits:
+            grad = logits2.detach() if in_place else new_output(logits2.shape, logits2.dtype, logits2.device)
+        loss_rows, z_rows, predicted = cross_entropy_rows(logits2, target, norms, grad, opts)
+        if needs_grad and in_place and logits2 is logits:
             torch.autograd.graph.increment_version(logits)
-        loss, z_loss, accuracy = reduce_loss_rows(loss_rows, z_rows, correct, norms, target, ignore_index, reduction)
+        outputs = reduce_loss_rows(loss_rows, z_rows, predicted, norms, target, opts)
         ctx.save_for_backward(grad)
         ctx.has_grad = grad is not None
-        extras = [t for t in (z_loss if return_z_loss else None, accuracy) if t is not None]
-        ctx.mark_non_differentiable(*extras)
-        return loss, (z_loss if return_z_loss else None), accuracy
+        ctx.mark_non_differentiable(*(t for t in outputs[1:] if t is not None))
+        return outputs
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_z, _grad_accuracy):
-        (grad,) = ctx.saved_tensors
+    def backward(ctx, grad_loss, *_grad_extras):
         if not ctx.has_grad:
-            return (None,) * 12
+            return None, None, None, None, None
+        (grad,) = ctx.saved_tensors
         scale = grad_loss.reshape(-1) if grad_loss.numel() > 1 else grad_loss.reshape(1)
-        scale_rows_(grad, scale.to(torch.float32))
-        return (grad,) + (None,) * 11
+        return scaled_gradient(grad, scale.to(torch.float32)), None, None, None, None
+

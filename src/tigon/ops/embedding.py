@@ -22,7 +22,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tigon.ops._common import cdiv, check_same_device, check_tensor, launch, next_pow2
+from tigon.ops._common import cdiv, check_same_device, check_tensor, next_pow2
+from tigon.ops._internals import engine_will_run, launch
 
 # Sorted rows summed per loop step: one [ROWS, BLOCK_H] tile, masked to the token's rows.
 SEGMENT_ROWS = 32
@@ -109,10 +110,7 @@ class TiedGradSlot:
         node = self._embedding_node() if self._embedding_node is not None else None
         if node is None or self.grad is not None:
             return False
-        try:
-            will_run = torch._C._will_engine_execute_node(node)
-        except RuntimeError:  # not inside the autograd engine (e.g. a functorch transform)
-            return False
+        will_run = engine_will_run(node)
         if will_run:
             self.grad = grad_weight
         return will_run

@@ -18,18 +18,27 @@ V * H * 4 bytes.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from tigon.ops._common import accumulate_mm, cdiv, check_same_device, check_tensor, new_output
+from tigon.ops._common import (
+    accumulate_mm,
+    cdiv,
+    check_same_device,
+    check_tensor,
+    chunk_budget_bytes,
+    new_output,
+)
 from tigon.ops.cross_entropy import (
+    CrossEntropyOptions,
     check_cross_entropy_options,
     cross_entropy_norms,
     cross_entropy_rows,
     reduce_loss_rows,
-    scale_rows_,
+    scale_rows,
+    scaled_gradient,
 )
-
-DEFAULT_CHUNK_BUDGET = 512 * 2**20  # bytes of logits per chunk
 
 
 def chunk_rows_for_budget(n_rows: int, vocab: int, element_size: int, budget_bytes: int) -> int:
@@ -45,9 +54,16 @@ def chunk_rows_for_budget(n_rows: int, vocab: int, element_size: int, budget_byt
     return min(fit, cdiv(rows, 64) * 64) if fit >= 64 else rows
 
 
-def flce_chunks(x2, w, bias, target, norms, opts, *, need_dx, need_dw, need_db, accum_dtype, chunk_rows,
-                row_scale=None):
-    """Walk the row chunks. Returns (loss_rows, z_rows, correct, dx, dw, db); gradients are for
+def _cat(parts, dtype, device):
+    """Per-chunk row outputs joined; None when not computed; empty when there were no rows."""
+    if not parts:
+        return torch.empty(0, dtype=dtype, device=device)
+    return torch.cat(parts) if parts[0] is not None else None
+
+
+def flce_chunks(x2, w, bias, target, norms, opts: CrossEntropyOptions, *, need_dx, need_dw, need_db, accum_dtype,
+                chunk_rows, row_scale=None):
+    """Walk the row chunks. Returns (loss_rows, z_rows, predicted, dx, dw, db); gradients are for
     grad_output = 1, or for per-row grad_output ``row_scale`` [rows] when given."""
     n_rows, _ = x2.shape
     vocab = w.shape[0]
@@ -62,7 +78,7 @@ def flce_chunks(x2, w, bias, target, norms, opts, *, need_dx, need_dw, need_db, 
         # The first chunk's matmul writes dW outright (no zero fill).
         dw = (new_output if n_rows > 0 else torch.zeros)(w.shape, dtype=dw_dtype, device=device)
     db = torch.zeros(vocab, dtype=torch.float32, device=device) if need_db else None
-    loss_parts, z_parts, correct_parts = [], [], []
+    loss_parts, z_parts, predicted_parts = [], [], []
     logits_buf = torch.empty((min(chunk_rows, n_rows), vocab), dtype=x2.dtype, device=device)
     for start in range(0, n_rows, chunk_rows):
         stop = min(start + chunk_rows, n_rows)
@@ -72,25 +88,25 @@ def flce_chunks(x2, w, bias, target, norms, opts, *, need_dx, need_dw, need_db, 
             torch.addmm(bc, xc, wc.t(), out=logits)
         else:
             torch.mm(xc, wc.t(), out=logits)
-        loss_c, z_c, correct_c = cross_entropy_rows(
-            logits, target[start:stop], opts["weight"], norms, logits if compute_grad else None,
-            opts["ignore_index"], opts["label_smoothing"], opts["lse_square_scale"], opts["softcap"],
-            opts["return_token_accuracy"])
+        loss_c, z_c, predicted_c = cross_entropy_rows(logits, target[start:stop], norms,
+                                                      logits if compute_grad else None, opts)
         loss_parts.append(loss_c)
         z_parts.append(z_c)
-        correct_parts.append(correct_c)
+        predicted_parts.append(predicted_c)
         if not compute_grad:
             continue
         if row_scale is not None:
-            scale_rows_(logits, row_scale[start:stop])
+            scale_rows(logits, row_scale[start:stop])
         if need_dx:
             torch.mm(logits, wc, out=dx[start:stop])
         if need_dw:
             accumulate_mm(dw, logits.t(), xc, first=start == 0)
         if need_db:
             db += logits.sum(0, dtype=torch.float32)
-    cat = (lambda parts: torch.cat(parts) if parts[0] is not None else None)
-    return cat(loss_parts), cat(z_parts), cat(correct_parts), dx, dw, db
+    z_parts = z_parts if opts.lse_square_scale else [None]
+    predicted_parts = predicted_parts if opts.compute_argmax else [None]
+    return (_cat(loss_parts, torch.float32, device), _cat(z_parts, torch.float32, device),
+            _cat(predicted_parts, torch.int64, device), dx, dw, db)
 
 
 def check_flce_args(x, weight, target, bias):
@@ -111,34 +127,33 @@ def check_flce_args(x, weight, target, bias):
 
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
-    """(loss, z_loss, token_accuracy) of cross_entropy(x @ weight^T + bias, target)."""
+    """(loss, z_loss, token_accuracy, predicted_tokens) of cross_entropy(x @ weight^T + bias,
+    target); the extras are None unless ``opts`` asks for them."""
 
     @staticmethod
-    def forward(ctx, x, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                ce_weight=None, lse_square_scale=0.0, softcap=None, return_z_loss=False,
-                return_token_accuracy=False, chunk_budget=None, accum_dtype=None, grad_enabled=True,
-                tied_slot=None):
+    def forward(ctx, x, weight, target, bias, opts: CrossEntropyOptions, chunk_budget=None, accum_dtype=None,
+                grad_enabled=True, tied_slot=None):
         check_flce_args(x, weight, target, bias)
         x2 = x.reshape(-1, x.shape[-1])
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        target = target.reshape(-1)
-        check_cross_entropy_options(target, x2.shape[0], weight.shape[0], ce_weight, reduction, label_smoothing,
-                                    softcap, ignore_index)
-        check_same_device(x=x, ce_weight=ce_weight)
-        opts = dict(ignore_index=ignore_index, label_smoothing=float(label_smoothing), weight=ce_weight,
-                    lse_square_scale=float(lse_square_scale), softcap=softcap,
-                    return_token_accuracy=return_token_accuracy)
-        norms = cross_entropy_norms(target, ce_weight, ignore_index, reduction)
-        budget = DEFAULT_CHUNK_BUDGET if chunk_budget is None else int(chunk_budget)
-        chunk_rows = chunk_rows_for_budget(x2.shape[0], weight.shape[0], x2.element_size(), budget)
+        target = target.reshape(-1).contiguous()
+        check_cross_entropy_options(target, x2.shape[0], weight.shape[0], opts)
+        check_same_device(x=x, ce_weight=opts.weight)
+        if opts.weight is not None and not opts.weight.is_contiguous():
+            opts = replace(opts, weight=opts.weight.contiguous())
+        if accum_dtype not in (None, torch.float32):
+            raise ValueError(f"accum_dtype must be None (weight's dtype) or torch.float32, got {accum_dtype!r}")
+        norms = cross_entropy_norms(target, opts)
+        chunk_rows = chunk_rows_for_budget(x2.shape[0], weight.shape[0], x2.element_size(),
+                                           chunk_budget_bytes(chunk_budget))
         need = [n and grad_enabled for n in ctx.needs_input_grad]  # forward runs with grad mode off
-        deferred = reduction == "none"
-        loss_rows, z_rows, correct, dx, dw, db = flce_chunks(
+        deferred = opts.reduction == "none"
+        loss_rows, z_rows, predicted, dx, dw, db = flce_chunks(
             x2, weight, bias, target, norms, opts, need_dx=need[0] and not deferred,
             need_dw=need[1] and not deferred, need_db=bias is not None and need[3] and not deferred,
             accum_dtype=accum_dtype, chunk_rows=chunk_rows)
-        loss, z_loss, accuracy = reduce_loss_rows(loss_rows, z_rows, correct, norms, target, ignore_index, reduction)
+        outputs = reduce_loss_rows(loss_rows, z_rows, predicted, norms, target, opts)
         ctx.deferred = deferred
         ctx.tied_slot = tied_slot
         ctx.x_shape = x.shape
@@ -148,14 +163,13 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             ctx.opts, ctx.accum_dtype, ctx.chunk_rows = opts, accum_dtype, chunk_rows
         else:
             ctx.save_for_backward(dx, dw, db)
-        extras = [t for t in (z_loss if return_z_loss else None, accuracy) if t is not None]
-        ctx.mark_non_differentiable(*extras)
-        return loss, (z_loss if return_z_loss else None), accuracy
+        ctx.mark_non_differentiable(*(t for t in outputs[1:] if t is not None))
+        return outputs
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_z, _grad_accuracy):
+    def backward(ctx, grad_loss, *_grad_extras):
         need = ctx.needs_input_grad
-        if ctx.deferred:
+        if ctx.deferred:  # recomputed from the saved inputs: nothing saved is modified
             x2, weight, bias, target, norms = ctx.saved_tensors
             _, _, _, dx, dw, db = flce_chunks(
                 x2, weight, bias, target, norms, ctx.opts, need_dx=need[0], need_dw=need[1],
@@ -164,15 +178,13 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         else:
             dx, dw, db = ctx.saved_tensors
             scale = grad_loss.reshape(1).to(torch.float32)
-            for g in (dx, dw):
-                if g is not None:
-                    scale_rows_(g, scale)
-            if db is not None:
-                db = db * scale
+            dx = scaled_gradient(dx, scale) if dx is not None else None
+            dw = scaled_gradient(dw, scale) if dw is not None else None
+            db = db * scale if db is not None else None
         w_dtype, b_dtype = ctx.param_dtypes
         dx = dx.view(ctx.x_shape) if dx is not None else None
         dw = dw.to(w_dtype) if dw is not None else None
         db = db.to(b_dtype) if db is not None else None
         if dw is not None and ctx.tied_slot is not None and ctx.tied_slot.offer(dw):
             dw = None  # the tied embedding's backward adds its rows into it and returns the sum
-        return (dx, dw, None, db) + (None,) * 12
+        return dx, dw, None, db, None, None, None, None, None

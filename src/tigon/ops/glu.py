@@ -1,13 +1,21 @@
-"""Gated linear unit activations: c = act(a) * b, elementwise over [..., I].
+"""Gated linear unit activations: c = act(a * gate_multiplier) * b * out_multiplier, elementwise.
 
-act is SiLU (SwiGLU), or GELU with the tanh approximation or the exact erf form (GeGLU).
-Arithmetic in fp32, one rounding to the input dtype. a and b may be row-strided views (for
-example the two halves of a fused gate_up projection): they are read in place, not copied.
+a, b [..., I]. act is SiLU (SwiGLU), or GELU with the tanh approximation or the exact erf
+form (GeGLU); the two multipliers are 1 except in models that scale the gate or the MLP's
+output (Falcon-H1's ``mlp_multipliers``). Arithmetic in fp32, one rounding to the input dtype. a and b may be
+row-strided views (for example the two halves of a fused gate_up projection): they are read
+in place, not copied.
+
+This file also owns tigon's activation vocabulary: ``ACTIVATIONS`` are the names every layer
+of tigon uses, ``ACTIVATION_ALIASES`` the names configs use for them.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -17,16 +25,40 @@ from tigon.ops._common import (
     check_same_device,
     check_same_dtype,
     check_tensor,
-    launch,
     new_output,
     next_pow2,
 )
+from tigon.ops._internals import launch
 
+# tigon's activation names -> the kernels' code.
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu_erf": 2}
+# The same activations in torch (what a module's act_fn is compared with, and the references).
+TORCH_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "gelu_erf": F.gelu,
+}
+# Other names for them: HF configs' ``hidden_act`` (transformers' ACT2FN keys).
+ACTIVATION_ALIASES = {
+    "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
+    "gelu": "gelu_erf",
+}
+# torch's F.gelu(approximate=...) values.
+GELU_APPROXIMATIONS = {"tanh": "gelu_tanh", "none": "gelu_erf"}
+
+
+def activation_name(name: str) -> str:
+    """tigon's name for an activation named ``name`` (tigon's own, or an alias)."""
+    if name in ACTIVATIONS:
+        return name
+    if name in ACTIVATION_ALIASES:
+        return ACTIVATION_ALIASES[name]
+    raise ValueError(f"activation {name!r} is not one tigon fuses; it fuses {sorted(ACTIVATIONS)} "
+                     f"(also named {sorted(ACTIVATION_ALIASES)})")
 
 
 def glu_launch_config(n_cols: int) -> tuple[int, int]:
-    """(elements per program, warps). On an H100 (benchmarks/tune_kernels.py, bf16) blocks of
+    """(elements per program, warps). On an H100 (benchmarks/tuning/tune_kernels.py, bf16) blocks of
     4096 with 16 warps ran at 94-98% of copy bandwidth; short rows take one block of the row's
     size with a warp per 256 elements."""
     block = min(4096, next_pow2(n_cols))
@@ -66,7 +98,7 @@ def glu_activation(a, ACTIVATION: tl.constexpr):
 
 @triton.jit
 def glu_forward_kernel(
-    A, stride_a, B, stride_b, C, stride_c, n_cols, blocks_per_row,
+    A, stride_a, B, stride_b, C, stride_c, n_cols, blocks_per_row, gate_multiplier, out_multiplier,
     ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """1-D grid over (row, column block) pairs; contiguous inputs arrive as a single row."""
@@ -76,16 +108,17 @@ def glu_forward_kernel(
     mask = cols < n_cols
     a = tl.load(A + row * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
-    act, _ = glu_activation(a, ACTIVATION)
-    tl.store(C + row * stride_c + cols, (act * b).to(C.dtype.element_ty), mask=mask)
+    act, _ = glu_activation(a * gate_multiplier, ACTIVATION)
+    tl.store(C + row * stride_c + cols, (act * b * out_multiplier).to(C.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def glu_backward_kernel(
     DC, stride_dc, A, stride_a, B, stride_b, DA, stride_da, DB, stride_db, n_cols, blocks_per_row,
-    ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
+    gate_multiplier, out_multiplier, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """da = dc * b * act'(a), db = dc * act(a). DA / DB may alias DC or a dead buffer."""
+    """With g = gate_multiplier, s = out_multiplier: da = dc s b act'(a g) g, db = dc s act(a g).
+    DA / DB may alias DC or a dead buffer."""
     pid = tl.program_id(0).to(tl.int64)
     row = pid // blocks_per_row
     cols = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
@@ -93,23 +126,33 @@ def glu_backward_kernel(
     dc = tl.load(DC + row * stride_dc + cols, mask=mask, other=0.0).to(tl.float32)
     a = tl.load(A + row * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
-    act, dact = glu_activation(a, ACTIVATION)
-    tl.store(DA + row * stride_da + cols, (dc * b * dact).to(DA.dtype.element_ty), mask=mask)
+    act, dact = glu_activation(a * gate_multiplier, ACTIVATION)
+    dc = dc * out_multiplier
+    tl.store(DA + row * stride_da + cols, (dc * b * dact * gate_multiplier).to(DA.dtype.element_ty), mask=mask)
     tl.store(DB + row * stride_db + cols, (dc * act).to(DB.dtype.element_ty), mask=mask)
 
 
-def check_glu_args(a, b, activation):
+def check_activation(activation, **multipliers):
+    """``activation`` is one of tigon's names; each multiplier (by its argument name) a number."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r} "
+                         "(tigon.ops.glu.activation_name maps other names)")
+    for name, value in multipliers.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number, got {value!r}")
+
+
+def check_glu_args(a, b, activation, gate_multiplier=1.0, out_multiplier=1.0):
     check_tensor("a", a, min_ndim=1)
     check_tensor("b", b, min_ndim=1)
     if a.shape != b.shape:
         raise ValueError(f"a has shape {tuple(a.shape)} but b has shape {tuple(b.shape)}")
     check_same_dtype(a=a, b=b)
     check_same_device(a=a, b=b)
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    check_activation(activation, gate_multiplier=gate_multiplier, out_multiplier=out_multiplier)
 
 
-def glu_forward(a2, b2, activation, out=None):
+def glu_forward(a2, b2, activation, out=None, gate_multiplier=1.0, out_multiplier=1.0):
     """a2, b2 [M, I] row-strided -> c [M, I] (written into `out` when given)."""
     c = out if out is not None else new_output(a2.shape, a2.dtype, a2.device)
     if a2.numel():
@@ -117,13 +160,13 @@ def glu_forward(a2, b2, activation, out=None):
         block, num_warps = glu_launch_config(n_cols)
         blocks_per_row = cdiv(n_cols, block)
         launch(glu_forward_kernel, (n_rows * blocks_per_row,),
-            a2, sa, b2, sb, c, sc, n_cols, blocks_per_row,
+            a2, sa, b2, sb, c, sc, n_cols, blocks_per_row, float(gate_multiplier), float(out_multiplier),
             ACTIVATION=ACTIVATIONS[activation], BLOCK=block, num_warps=num_warps,
         )
     return c
 
 
-def glu_backward(dc2, a2, b2, activation, da_out=None, db_out=None):
+def glu_backward(dc2, a2, b2, activation, da_out=None, db_out=None, gate_multiplier=1.0, out_multiplier=1.0):
     """-> (da, db) [M, I]; da_out / db_out let the caller reuse dead buffers (e.g. dc2)."""
     da = da_out if da_out is not None else new_output(a2.shape, a2.dtype, a2.device)
     db = db_out if db_out is not None else new_output(a2.shape, a2.dtype, a2.device)
@@ -132,26 +175,27 @@ def glu_backward(dc2, a2, b2, activation, da_out=None, db_out=None):
         block, num_warps = glu_launch_config(n_cols)
         blocks_per_row = cdiv(n_cols, block)
         launch(glu_backward_kernel, (n_rows * blocks_per_row,),
-            dc2, sdc, a2, sa, b2, sb, da, sda, db, sdb, n_cols, blocks_per_row,
+            dc2, sdc, a2, sa, b2, sb, da, sda, db, sdb, n_cols, blocks_per_row, float(gate_multiplier), float(out_multiplier),
             ACTIVATION=ACTIVATIONS[activation], BLOCK=block, num_warps=num_warps,
         )
     return da, db
 
 
 class GLUFunction(torch.autograd.Function):
-    """c = act(a) * b; saves a and b, recomputes act(a) in the backward."""
+    """c = act(a * gate_multiplier) * b * out_multiplier; saves a and b, recomputes act in the backward."""
 
     @staticmethod
-    def forward(ctx, a, b, activation="silu"):
-        check_glu_args(a, b, activation)
+    def forward(ctx, a, b, activation="silu", gate_multiplier=1.0, out_multiplier=1.0):
+        check_glu_args(a, b, activation, gate_multiplier, out_multiplier)
         a2, b2 = as_rows(a), as_rows(b)
-        c = glu_forward(a2, b2, activation)
+        c = glu_forward(a2, b2, activation, gate_multiplier=gate_multiplier, out_multiplier=out_multiplier)
         ctx.save_for_backward(a2, b2)
-        ctx.activation = activation
+        ctx.activation, ctx.scales = activation, (gate_multiplier, out_multiplier)
         return c.view(a.shape)
 
     @staticmethod
     def backward(ctx, dc):
         a2, b2 = ctx.saved_tensors
-        da, db = glu_backward(as_rows(dc), a2, b2, ctx.activation)
-        return da.view(dc.shape), db.view(dc.shape), None
+        gate_multiplier, out_multiplier = ctx.scales
+        da, db = glu_backward(as_rows(dc), a2, b2, ctx.activation, gate_multiplier=gate_multiplier, out_multiplier=out_multiplier)
+        return da.view(dc.shape), db.view(dc.shape), None, None, None

@@ -1,61 +1,100 @@
-"""Gated MLP out = (act(x @ Wg^T) * (x @ Wu^T)) @ Wd^T that saves only x for its backward.
+"""The gated MLP out = (act(x Wg^T * g) * (x Wu^T)) Wd^T * d, in two forms, and the one place
+that picks between them and sizes their slices.
 
-x [..., H], gate_weight / up_weight [I, H], down_weight [H, I] -> out [..., H]. Meant for
-layers under gradient checkpointing (torch.utils.checkpoint, non-reentrant), where the layer's
-forward runs twice anyway:
+x [..., H], gate / up weights [I, H], down weight [H, I]; act is one of tigon's GLU
+activations (``tigon.ops.glu``); the multipliers g, d are 1 except in Falcon-H1.
 
-- Nothing of size [tokens, I] is saved. The backward recomputes gate and up one column slice of
-  I at a time (into one [a_j | b_j] buffer), and from them c_j, dW_down[:, j], dc_j, da_j / db_j
-  (written over a_j / b_j), dW_gate[j], dW_up[j] and dx += da_j Wg_j + db_j Wu_j (fp32
-  accumulation). Its transient memory is three [tokens, slice]
-  buffers and an fp32 dx, instead of the two [tokens, I] activations (gate and up) that an MLP
-  keeps for its backward.
-- In checkpoint's recomputation, when saving this op's inputs is the last thing the recompute
-  needs (checkpoint's early stop: the MLP is the last op of a Llama-style layer that saves
-  anything), the forward skips its three matmuls: its output is never read.
-
-Per layer under checkpointing this is the FLOPs of 11 matmuls (3 forward, 8 backward) where an
-MLP that keeps gate and up does 12 (3 forward, 3 again in the recompute, 6 backward). The forward
-runs in wider slices than the backward (it is not at the memory peak), so the recomputed gate and
-up may differ from the forward's in the last bit, as with any recomputation.
+- ``GLUDownProjFunction``: the activation and the down projection, from gate and up computed
+  by the caller's layers (so LoRA or quantised gate / up layers keep their own forward). It
+  keeps a = gate and b = up, not c = act(a) * b, and recomputes c in the backward: one
+  [tokens, I] activation fewer than autograd keeps. Its forward walks the rows in slices (c is
+  never whole: under gradient checkpointing this forward runs again inside the backward, where
+  a full c on top of a and b was a layer's memory peak); its backward walks the I columns in
+  slices: dc_j = dout W[:, j], c_j, dW[:, j] = dout^T c_j, then da_j / db_j. With
+  ``inplace=True`` da and db are written over a and b (intermediates nothing else reads, as in
+  an MLP), so the backward allocates nothing of [tokens, I] and can run only once.
+- ``GLUMLPFunction``: the whole MLP keeping only x, for layers under gradient checkpointing
+  (torch.utils.checkpoint, non-reentrant), where the layer's forward runs twice anyway. The
+  backward recomputes gate and up one column slice of I at a time (into one [a_j | b_j]
+  buffer), and from them c_j, dW_down[:, j], dc_j, da_j / db_j (over a_j / b_j), dW_gate[j],
+  dW_up[j] and dx += da_j Wg_j + db_j Wu_j (fp32 accumulation): three [tokens, slice] buffers
+  and an fp32 dx instead of two [tokens, I] activations. In checkpoint's recomputation, when
+  saving x is the last thing the recompute needs (checkpoint's early stop: the MLP is the last
+  op of a Llama-style layer that saves anything), the forward skips its three matmuls: its
+  output is never read. Per layer that is the FLOPs of 11 matmuls (3 forward, 8 backward)
+  where an MLP that keeps gate and up does 12. The forward runs in wider slices than the
+  backward (it is not at the memory peak), so the recomputed gate and up may differ from the
+  forward's in the last bit, as with any recomputation.
+- ``gated_mlp``: the path choice both ``tigon.nn`` and the HF patcher use.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from tigon.ops._common import (
     accumulate_mm,
     as_rows,
     check_same_device,
     check_tensor,
-    checkpoint_recompute_stops_after,
     matmul_dtype,
     new_output,
 )
-from tigon.ops.glu import ACTIVATIONS, glu_backward, glu_forward
+from tigon.ops._internals import checkpoint_recompute_stops_after, under_checkpoint
+from tigon.ops.glu import GLUFunction, check_activation, check_glu_args, glu_backward, glu_forward
 
-# Bytes of one [tokens, slice] buffer (three are live in the backward). H100, a Llama-1B MLP block
-# under checkpoint, fwd+bwd at 8192 tokens (benchmarks/mlp_checkpoint.py): budgets of 16 / 32 /
-# 64 / 128 MiB took 6.38 / 5.06 / 4.93 / 5.02 ms (peak 112 / 160 / 256 / 448 MiB), against 5.45 ms
-# (256 MiB) for the path that keeps gate and up. Below 32 MiB the fp32 dx, read and written once
-# per slice, and the narrower matmuls cost more than they save.
-SLICE_BUDGET_BYTES = 32 * 2**20
-# The forward runs before the peak (the end of the backward, when the gradients exist), so its
-# slices are 4x wider: at 8192 tokens of a Llama-1B MLP, one slice instead of four, 4 host calls
-# instead of 13 (the forward of a checkpointed step is host-bound on slow hosts).
-FORWARD_SLICE_BUDGET_BYTES = 128 * 2**20
-# Narrower slices than this cost more than they save: more matmuls, and the fp32 dx read and
-# written once more per slice (with 512- and 256-column slices a Llama-1B step at batch 32 and
-# 64 x 1024 ran 11% and 28% slower than with the MLP that keeps gate and up).
-MIN_SLICE_COLUMNS = 2048
+# ---- slice policy ----
+
+# GLUDownProj backward: columns per slice, so slices stay large matmuls (N >= 1024) while the
+# transient (dc_j and c_j) is half an intermediate. H100 (benchmarks/tuning/tune_mlp_slices.py,
+# fwd+bwd of a SwiGLU MLP): 1 / 2 / 4 slices took 12.52 / 12.38 / 12.82 ms at T8192 H4096
+# I14336 and 30.86 / 31.19 / 31.24 ms at T65536 H2048 I8192; 2 and 4 had the same peak
+# memory, 1 had 48-288 MB more.
+DOWN_PROJ_BACKWARD_SLICES = 2
+DOWN_PROJ_MIN_SLICE_COLUMNS = 1024
+# GLUDownProj forward: c_r is at most a quarter of c, and slices of >= 2048 rows keep the
+# matmuls large.
+DOWN_PROJ_FORWARD_SLICES = 4
+DOWN_PROJ_MIN_SLICE_ROWS = 2048
+# GLUMLP: bytes of one [tokens, slice] buffer (three are live in the backward). H100, a Llama-1B
+# MLP block under checkpoint, fwd+bwd at 8192 tokens (benchmarks/tuning/tune_mlp_checkpoint.py):
+# budgets of 16 / 32 / 64 / 128 MiB took 6.38 / 5.06 / 4.93 / 5.02 ms (peak 112 / 160 / 256 /
+# 448 MiB), against 5.45 ms (256 MiB) for the path that keeps gate and up. Below 32 MiB the
+# fp32 dx, read and written once per slice, and the narrower matmuls cost more than they save.
+MLP_SLICE_BUDGET_BYTES = 32 * 2**20
+# GLUMLP forward: it runs before the peak (the end of the backward, when the gradients exist),
+# so its slices are 4x wider: at 8192 tokens of a Llama-1B MLP, one slice instead of four, 4
+# host calls instead of 13 (the forward of a checkpointed step is host-bound on slow hosts).
+MLP_FORWARD_SLICE_BUDGET_BYTES = 128 * 2**20
+# Narrower GLUMLP slices than this cost more than they save: more matmuls, and the fp32 dx read
+# and written once more per slice (with 512- and 256-column slices a Llama-1B step at batch 32
+# and 64 x 1024 ran 11% and 28% slower than with the MLP that keeps gate and up).
+MLP_MIN_SLICE_COLUMNS = 2048
+
+
+def down_proj_slice_columns(n_cols: int) -> int:
+    """Columns of one GLUDownProj backward slice of an I = n_cols wide intermediate (a multiple
+    of 64)."""
+    width = -(-n_cols // DOWN_PROJ_BACKWARD_SLICES)
+    width = -(-width // 64) * 64
+    return min(n_cols, max(width, DOWN_PROJ_MIN_SLICE_COLUMNS))
+
+
+def down_proj_slice_rows(n_rows: int) -> int:
+    """Rows of one GLUDownProj forward slice (a multiple of 64, or all rows)."""
+    rows = -(-n_rows // DOWN_PROJ_FORWARD_SLICES)
+    if rows > 64:
+        rows = -(-rows // 64) * 64
+    return min(n_rows, max(rows, DOWN_PROJ_MIN_SLICE_ROWS))
 
 
 def mlp_slice_columns(n_rows: int, n_cols: int, element_size: int, budget: int | None = None) -> int:
-    """Columns of one slice of the intermediate (a multiple of 64, or all of I)."""
-    budget = SLICE_BUDGET_BYTES if budget is None else budget
+    """Columns of one GLUMLP slice of the intermediate (a multiple of 64, or all of I)."""
+    budget = MLP_SLICE_BUDGET_BYTES if budget is None else budget
     width = budget // max(1, n_rows * element_size)
-    width = max(MIN_SLICE_COLUMNS, width // 64 * 64)
+    width = max(MLP_MIN_SLICE_COLUMNS, width // 64 * 64)
     return min(n_cols, width)
 
 
@@ -63,7 +102,130 @@ def column_slices(n_cols: int, width: int):
     return [slice(start, min(start + width, n_cols)) for start in range(0, n_cols, width)]
 
 
-def check_glu_mlp_args(x, gate_weight, up_weight, down_weight, activation):
+def _as(t, dtype):
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+# ---- activation + down projection ----
+
+def glu_down_forward(a2, b2, w, bias, activation, multipliers):
+    """((act(a2 g) * b2) @ w^T + bias) d in row slices, as (act(a2 g) * b2 d) @ w^T + bias d;
+    [M, I] x2 -> [M, H]. Matmuls in the autocast dtype when autocast is on, else in a2's dtype
+    (w must then match it, as F.linear)."""
+    if bias is not None and multipliers[1] != 1.0:
+        bias = bias * multipliers[1]
+    n_rows = a2.shape[0]
+    step = down_proj_slice_rows(n_rows)
+    if step >= n_rows:
+        c = glu_forward(a2, b2, activation, gate_multiplier=multipliers[0], out_multiplier=multipliers[1])
+        return F.linear(c, w, bias)  # autocast, if on, picks the matmul dtype
+    device_type = a2.device.type
+    mm = matmul_dtype(a2, down_weight=w)
+    w_t = w.to(mm).t()
+    bias_mm = None if bias is None else bias.to(mm)
+    out = torch.empty((n_rows, w.shape[0]), dtype=mm, device=a2.device)
+    with torch.autocast(device_type, enabled=False):
+        for start in range(0, n_rows, step):
+            rows = slice(start, min(start + step, n_rows))
+            c_r = glu_forward(a2[rows], b2[rows], activation, gate_multiplier=multipliers[0],
+                              out_multiplier=multipliers[1]).to(mm)
+            if bias_mm is None:
+                torch.mm(c_r, w_t, out=out[rows])
+            else:
+                torch.addmm(bias_mm, c_r, w_t, out=out[rows])
+            del c_r
+    return out
+
+
+class GLUDownProjFunction(torch.autograd.Function):
+    """out = ((act(a g) * b) @ down_weight^T + down_bias) d, keeping a and b (see the module
+    docstring). a, b [..., I], down_weight [H, I], down_bias [H] or None -> [..., H]."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, a, b, down_weight, down_bias=None, activation="silu", inplace=False, gate_multiplier=1.0,
+                down_multiplier=1.0, slice_columns=None):
+        check_glu_args(a, b, activation)
+        check_tensor("down_weight", down_weight, ndim=2)
+        if down_weight.shape[1] != a.shape[-1]:
+            raise ValueError(
+                f"down_weight has shape {tuple(down_weight.shape)}; its dim 1 must equal a's last dim {a.shape[-1]}"
+            )
+        if down_bias is not None:
+            check_tensor("down_bias", down_bias, ndim=1)
+            if down_bias.shape[0] != down_weight.shape[0]:
+                raise ValueError(
+                    f"down_bias has shape {tuple(down_bias.shape)} but down_weight has {down_weight.shape[0]} rows"
+                )
+        check_same_device(a=a, down_weight=down_weight, down_bias=down_bias)
+        check_activation(activation, gate_multiplier=gate_multiplier, down_multiplier=down_multiplier)
+        a2, b2 = as_rows(a), as_rows(b)
+        multipliers = (float(gate_multiplier), float(down_multiplier))
+        out = glu_down_forward(a2, b2, down_weight, down_bias, activation, multipliers)
+        ctx.save_for_backward(a2, b2, down_weight)
+        ctx.activation, ctx.multipliers = activation, multipliers
+        ctx.matmul_dtype = out.dtype
+        ctx.bias_dtype = None if down_bias is None else down_bias.dtype
+        ctx.inplace = bool(inplace)
+        ctx.slice_columns = slice_columns or down_proj_slice_columns(a2.shape[1])
+        ctx.consumed = False
+        return out.view(*a.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dout):
+        if ctx.consumed:
+            raise RuntimeError(
+                "GLUDownProjFunction with inplace=True wrote its backward over a and b, so it cannot "
+                "run backward twice (retain_graph=True); use inplace=False for that"
+            )
+        a2, b2, w = ctx.saved_tensors
+        mm = ctx.matmul_dtype
+        gate_multiplier, down_multiplier = ctx.multipliers
+        dout2 = dout.reshape(-1, dout.shape[-1]).to(mm)
+        need_w, need_bias = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        need_ab = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        n_cols = a2.shape[1]
+        d_bias = da = db = d_weight = None
+        if need_bias:
+            d_bias = (dout2.sum(0, dtype=torch.float32) * down_multiplier).to(ctx.bias_dtype)
+        if need_w:
+            d_weight = new_output(w.shape, w.dtype, w.device)
+        inplace = ctx.inplace and a2.dtype == mm
+        if need_ab:
+            da = a2 if inplace else new_output(a2.shape, a2.dtype, a2.device)
+            db = b2 if inplace else new_output(b2.shape, b2.dtype, b2.device)
+        w_mm = w.to(mm)
+        for start in range(0, n_cols, ctx.slice_columns):
+            cols = slice(start, min(start + ctx.slice_columns, n_cols))
+            a_j, b_j = a2[:, cols], b2[:, cols]
+            if need_w:
+                c_j = glu_forward(a_j, b_j, ctx.activation, gate_multiplier=gate_multiplier,
+                                  out_multiplier=down_multiplier).to(mm)
+                if d_weight.dtype == mm:
+                    torch.mm(dout2.t(), c_j, out=d_weight[:, cols])
+                else:
+                    d_weight[:, cols] = dout2.t() @ c_j
+                del c_j
+            if need_ab:
+                dc_j = dout2 @ w_mm[:, cols]
+                glu_backward(dc_j, a_j, b_j, ctx.activation, da_out=da[:, cols], db_out=db[:, cols],
+                             gate_multiplier=gate_multiplier, out_multiplier=down_multiplier)
+                del dc_j
+        if need_ab:
+            if inplace:
+                ctx.consumed = True
+                # a and b were overwritten: a later reader of them raises instead of misreading.
+                for t in (a2, b2):
+                    torch.autograd.graph.increment_version(t)
+            shape = dout.shape[:-1] + (n_cols,)
+            da, db = da.view(shape), db.view(shape)
+        return da, db, d_weight, d_bias, None, None, None, None, None
+
+
+# ---- the whole MLP, keeping only x ----
+
+def check_glu_mlp_args(x, gate_weight, up_weight, down_weight, activation, gate_multiplier, down_multiplier):
     check_tensor("x", x, min_ndim=1)
     for name, w in (("gate_weight", gate_weight), ("up_weight", up_weight), ("down_weight", down_weight)):
         check_tensor(name, w, ndim=2)
@@ -74,13 +236,8 @@ def check_glu_mlp_args(x, gate_weight, up_weight, down_weight, activation):
     if down_weight.shape != (hidden, gate_weight.shape[0]):
         raise ValueError(f"down_weight has shape {tuple(down_weight.shape)}; expected [H, I] = "
                          f"{[hidden, gate_weight.shape[0]]}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    check_activation(activation, gate_multiplier=gate_multiplier, down_multiplier=down_multiplier)
     check_same_device(x=x, gate_weight=gate_weight, up_weight=up_weight, down_weight=down_weight)
-
-
-def _as(t, dtype):
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 def gate_up_slice(x2, wg, wu, cols):
@@ -94,37 +251,36 @@ def gate_up_slice(x2, wg, wu, cols):
 
 
 class GLUMLPFunction(torch.autograd.Function):
-    """out = (act(x Wg^T) * (x Wu^T)) Wd^T, saving x only; see the module docstring."""
-
-    # Recomputations skipped since import (a counter for tests and benchmarks).
-    skipped_recomputes = 0
+    """out = (act(x Wg^T g) * (x Wu^T) d) Wd^T, saving x only; see the module docstring."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, gate_weight, up_weight, down_weight, activation="silu", slice_columns=None):
-        check_glu_mlp_args(x, gate_weight, up_weight, down_weight, activation)
+    def forward(ctx, x, gate_weight, up_weight, down_weight, activation="silu", gate_multiplier=1.0,
+                down_multiplier=1.0, slice_columns=None):
+        check_glu_mlp_args(x, gate_weight, up_weight, down_weight, activation, gate_multiplier, down_multiplier)
         mm = matmul_dtype(x, gate_weight=gate_weight, up_weight=up_weight, down_weight=down_weight)
         ctx.save_for_backward(x)
         ctx.weights = (gate_weight, up_weight, down_weight)  # kept, not saved (see the note in tigon.ops._common)
         ctx.activation = activation
+        ctx.multipliers = multipliers = (float(gate_multiplier), float(down_multiplier))
         ctx.matmul_dtype = mm
         out_shape = (*x.shape[:-1], down_weight.shape[0])
         n_rows, n_cols = x.numel() // max(1, x.shape[-1]), gate_weight.shape[0]
         element_size = torch.finfo(mm).bits // 8
         ctx.slice_columns = slice_columns or mlp_slice_columns(n_rows, n_cols, element_size)
         if checkpoint_recompute_stops_after(1):
-            GLUMLPFunction.skipped_recomputes += 1
             return x.new_empty(out_shape, dtype=mm)  # checkpoint stops once x is saved (above)
         x2 = _as(as_rows(x), mm)
         wg, wu, wd = _as(gate_weight, mm), _as(up_weight, mm), _as(down_weight, mm)
         forward_columns = slice_columns or mlp_slice_columns(n_rows, n_cols, element_size,
-                                                             FORWARD_SLICE_BUDGET_BYTES)
+                                                             MLP_FORWARD_SLICE_BUDGET_BYTES)
         c = torch.empty((n_rows, n_cols), dtype=mm, device=x.device)
         with torch.autocast(x.device.type, enabled=False):
             for cols in column_slices(n_cols, forward_columns):
                 ab_j = gate_up_slice(x2, wg, wu, cols)
                 width = cols.stop - cols.start
-                glu_forward(ab_j[:, :width], ab_j[:, width:], activation, out=c[:, cols])
+                glu_forward(ab_j[:, :width], ab_j[:, width:], activation, out=c[:, cols],
+                            gate_multiplier=multipliers[0], out_multiplier=multipliers[1])
                 del ab_j
             out = c @ wd.t()
         return out.view(out_shape)
@@ -136,6 +292,7 @@ class GLUMLPFunction(torch.autograd.Function):
         gate_weight, up_weight, down_weight = ctx.weights
         need_x, need_wg, need_wu, need_wd = ctx.needs_input_grad[:4]
         mm, act = ctx.matmul_dtype, ctx.activation
+        gate_multiplier, down_multiplier = ctx.multipliers
         x2 = _as(as_rows(x), mm)
         dout2 = _as(as_rows(dout), mm)
         wg, wu, wd = _as(gate_weight, mm), _as(up_weight, mm), _as(down_weight, mm)
@@ -149,12 +306,13 @@ class GLUMLPFunction(torch.autograd.Function):
             width = cols.stop - cols.start
             ab_j = gate_up_slice(x2, wg, wu, cols)  # [gate_j | up_j], as in the forward
             a_j, b_j = ab_j[:, :width], ab_j[:, width:]
-            c_j = glu_forward(a_j, b_j, act)
+            c_j = glu_forward(a_j, b_j, act, gate_multiplier=gate_multiplier, out_multiplier=down_multiplier)
             if need_wd:
                 torch.mm(dout2.t(), c_j, out=d_wd[:, cols])
             if need_ab:
                 torch.mm(dout2, wd[:, cols], out=c_j)  # dc_j, over c_j
-                glu_backward(c_j, a_j, b_j, act, da_out=a_j, db_out=b_j)  # [da_j | db_j] over ab_j
+                glu_backward(c_j, a_j, b_j, act, da_out=a_j, db_out=b_j, gate_multiplier=gate_multiplier,
+                             out_multiplier=down_multiplier)  # [da_j | db_j] over ab_j
             del c_j
             if need_wg:
                 torch.mm(a_j.t(), x2, out=d_wg[cols])
@@ -168,4 +326,36 @@ class GLUMLPFunction(torch.autograd.Function):
             dx = dx.to(x.dtype).view(x.shape)
         grads = [(_as(g, w.dtype) if g is not None else None)
                  for g, w in ((d_wg, gate_weight), (d_wu, up_weight), (d_wd, down_weight))]
-        return (dx, *grads, None, None)
+        return (dx, *grads, None, None, None, None)
+
+
+# ---- which path ----
+
+def _plain_linear(module) -> bool:
+    return type(module) is nn.Linear and module.bias is None
+
+
+def glu_down(gate, up, down_proj, activation, gate_multiplier=1.0, down_multiplier=1.0):
+    """down_proj(act(gate g) * up) * d from the gate / up projections' outputs (tigon owns them:
+    their gradients are written over them). A plain nn.Linear down projection is fused
+    (GLUDownProjFunction); any other layer (LoRA, quantised) runs its own forward on the
+    activation."""
+    if type(down_proj) is nn.Linear:
+        return GLUDownProjFunction.apply(gate, up, down_proj.weight, down_proj.bias, activation, True,
+                                         gate_multiplier, down_multiplier)
+    c = GLUFunction.apply(gate, up, activation, gate_multiplier, 1.0)
+    out = down_proj(c)
+    return out * down_multiplier if down_multiplier != 1.0 else out
+
+
+def gated_mlp(x, gate_proj, up_proj, down_proj, activation, *, keep_input_only=True, gate_multiplier=1.0,
+              down_multiplier=1.0):
+    """down_proj(act(gate_proj(x) g) * up_proj(x)) * d for an MLP's three layers, by the path
+    that saves the most: under torch.utils.checkpoint (non-reentrant), with gradients on, plain
+    bias-free nn.Linear layers and ``keep_input_only`` (the caller's layer saves nothing after
+    the MLP), GLUMLPFunction, which keeps only x; otherwise ``glu_down``."""
+    if (keep_input_only and torch.is_grad_enabled() and _plain_linear(gate_proj) and _plain_linear(up_proj)
+            and _plain_linear(down_proj) and under_checkpoint()):
+        return GLUMLPFunction.apply(x, gate_proj.weight, up_proj.weight, down_proj.weight, activation,
+                                    gate_multiplier, down_multiplier)
+    return glu_down(gate_proj(x), up_proj(x), down_proj, activation, gate_multiplier, down_multiplier)

@@ -1,18 +1,30 @@
-"""Generalised Jensen-Shannon divergence between student and teacher logits, per row, with the
-student's gradient written in the forward pass (in place over the student logits by default).
+"""Generalised Jensen-Shannon divergence between a student and a teacher distribution, with the
+student's gradient written in the forward pass: over logits per row (``LinearJSDFunction``, the
+chunked distillation loss's op), and over log-probabilities averaged over rows (``JSDFunction``,
+what Liger's ``LigerJSD`` computes).
 
-With a = s / temperature, b = t / temperature, P = softmax(a) (student), Q = softmax(b)
-(teacher), per row:
+With P the student's distribution and Q the teacher's, per row:
     beta = 0:  KL(Q || P) = sum Q (log Q - log P)                       (forward KL)
     beta = 1:  KL(P || Q) = sum P (log P - log Q)                       (reverse KL)
     else:      beta KL(Q || M) + (1 - beta) KL(P || M),  M = beta Q + (1 - beta) P
-(TRL's generalised JSD). The gradient, with g_j = d loss / d P_j:
+This is TRL's generalised JSD (GKD's ``generalized_jsd_loss``) and Liger's (``LigerJSD``,
+``LigerFusedLinearJSD``): the same beta in all three, beta weighting the teacher in M.
+
+Logits (``jsd_kernel``): a = s / temperature, b = t / temperature, P = softmax(a),
+Q = softmax(b). The gradient, with g_j = d loss / d P_j:
     d loss / d s_i = P_i (g_i - sum_j P_j g_j) / temperature,
     g = -Q / P (beta 0),  log P - log Q + 1 (beta 1),  (1 - beta)(log P - log M) (else),
 so beta 0 gives (P - Q) / temperature. For beta 0 and 1 the loss is an expectation that one
-online pass can form (E_Q[b - a] - lse_b + lse_a, or E_P[a - b] - lse_a + lse_b), so the kernel
-reads each row twice (log-sum-exps and loss, then the gradient); a mixed beta needs the two
-log-sum-exps before log M exists, so it reads each row three times.
+online pass can form (E_Q[log Q - log P] or E_P[log P - log Q]), so the kernel reads each row
+twice (log-sum-exps and loss, then the gradient); a mixed beta needs the two log-sum-exps before
+log M exists, so it reads each row three times.
+
+Log-probabilities (``jsd_logprobs_kernel``): X = log P and Y = log Q are taken as given, as
+Liger and torch's ``kl_div(log_target=True)`` do: the loss is the sum of the formula's terms
+over the row (no renormalisation) and the gradient is with respect to X itself,
+    -Q (beta 0),  P (X - Y + 1) (beta 1),  (1 - beta) P (X - log M) (else),
+so one pass over each row forms both. Backpropagated through a log_softmax it gives the
+logits' gradient above.
 
 x [N, H] -> ``LinearJSDFunction`` forms both heads' logits for a chunk of rows and keeps the
 student's gradient, like ``linear_token_logps``: the chunked distillation loss is built on it.
@@ -26,10 +38,21 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._common import check_same_device, check_tensor, launch, new_output, next_pow2
+from tigon.ops._common import as_rows, check_same_device, check_tensor, new_output, next_pow2
+from tigon.ops._internals import launch
+from tigon.ops.cross_entropy import scaled_gradient
 from tigon.ops.linear_token_logps import keep_logit_grad, linear_head_logits, linear_head_rows_backward
 
 FORWARD_KL, REVERSE_KL, MIXED = 0, 1, 2
+
+
+@triton.jit
+def mixture_log(log_p, log_q, log_beta, log_1m_beta):
+    """log M = log(beta Q + (1 - beta) P), from log P and log Q (0 < beta < 1)."""
+    x1 = log_q + log_beta
+    x2 = log_p + log_1m_beta
+    hi = tl.maximum(x1, x2)
+    return hi + tl.log(tl.exp(x1 - hi) + tl.exp(x2 - hi))
 
 
 @triton.jit
@@ -38,14 +61,17 @@ def jsd_kernel(
     MODE: tl.constexpr, COMPUTE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """LOSS[row] = the divergence of row `row` (one program a row); G row = d LOSS[row] / d S row.
-    G may alias S."""
+    G may alias S. Log-probabilities are formed from the row maximum, (a - m_a) - log d_a:
+    a - lse_a would round lse_a at the logits' magnitude (1e-3 at logits of 1e4)."""
     row = tl.program_id(0).to(tl.int64)
     s_row = S + row * stride_s
     t_row = T + row * stride_t
     g_row = G + row * stride_g
     offs = tl.arange(0, BLOCK_V)
-    # Pass 1: online log-sum-exps of a and b; for beta 0 / 1 also the softmax-weighted mean of
-    # b - a (under Q) or a - b (under P), rescaled with its running maximum like the sum.
+    # Pass 1: online maxima and sums of exp(a - m_a), exp(b - m_b); for beta 0 / 1 also the
+    # softmax-weighted sum of (b - m_b) - (a - m_a) (under Q) or its negation (under P), kept
+    # relative to the running maxima: when they move, the sum so far shifts by its weight times
+    # the change, then rescales like the weights.
     m_a = -float("inf")
     d_a = 0.0
     m_b = -float("inf")
@@ -62,21 +88,23 @@ def jsd_kernel(
         pb = tl.exp(b - new_b)
         scale_a = tl.exp(m_a - new_a)
         scale_b = tl.exp(m_b - new_b)
+        if MODE == 0:
+            shift = tl.where(d_b > 0, (m_b - new_b) - (m_a - new_a), 0.0)
+            e_w = (e_w + d_b * shift) * scale_b + tl.sum(tl.where(mask, pb * ((b - new_b) - (a - new_a)), 0.0), axis=0)
+        elif MODE == 1:
+            shift = tl.where(d_a > 0, (m_a - new_a) - (m_b - new_b), 0.0)
+            e_w = (e_w + d_a * shift) * scale_a + tl.sum(tl.where(mask, pa * ((a - new_a) - (b - new_b)), 0.0), axis=0)
         d_a = d_a * scale_a + tl.sum(pa, axis=0)
         d_b = d_b * scale_b + tl.sum(pb, axis=0)
-        if MODE == 0:
-            e_w = e_w * scale_b + tl.sum(tl.where(mask, pb * (b - a), 0.0), axis=0)
-        elif MODE == 1:
-            e_w = e_w * scale_a + tl.sum(tl.where(mask, pa * (a - b), 0.0), axis=0)
         m_a = new_a
         m_b = new_b
-    lse_a = m_a + tl.log(d_a)
-    lse_b = m_b + tl.log(d_b)
+    log_d_a = tl.log(d_a)
+    log_d_b = tl.log(d_b)
     if MODE == 0:
-        loss = e_w / d_b - lse_b + lse_a
+        loss = e_w / d_b - log_d_b + log_d_a  # E_Q[log Q - log P]
         p_dot_g = -1.0  # sum_j P_j (-Q_j / P_j)
     elif MODE == 1:
-        loss = e_w / d_a - lse_a + lse_b
+        loss = e_w / d_a - log_d_a + log_d_b  # E_P[log P - log Q]
         p_dot_g = loss + 1.0
     else:
         # Pass 2: the loss and sum_j P_j g_j, now that log M can be formed.
@@ -85,12 +113,9 @@ def jsd_kernel(
         for start in range(0, n_cols, BLOCK_V):
             cols = start + offs
             mask = cols < n_cols
-            log_p = tl.load(s_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_temp - lse_a
-            log_q = tl.load(t_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_temp - lse_b
-            x1 = log_q + log_beta
-            x2 = log_p + log_1m_beta
-            hi = tl.maximum(x1, x2)
-            log_m = hi + tl.log(tl.exp(x1 - hi) + tl.exp(x2 - hi))
+            log_p = (tl.load(s_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_temp - m_a) - log_d_a
+            log_q = (tl.load(t_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_temp - m_b) - log_d_b
+            log_m = mixture_log(log_p, log_q, log_beta, log_1m_beta)
             p = tl.exp(log_p)
             q = tl.exp(log_q)
             g = (1.0 - beta) * (log_p - log_m)
@@ -103,32 +128,80 @@ def jsd_kernel(
         for start in range(0, n_cols, BLOCK_V):
             cols = start + offs
             mask = cols < n_cols
-            log_p = tl.load(s_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_temp - lse_a
+            log_p = (tl.load(s_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_temp - m_a) - log_d_a
             p = tl.exp(log_p)
+            log_q = (tl.load(t_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_temp - m_b) - log_d_b
             if MODE == 0:
-                q = tl.exp(tl.load(t_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_temp - lse_b)
-                grad = p - q
+                grad = p - tl.exp(log_q)
             elif MODE == 1:
-                log_q = tl.load(t_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_temp - lse_b
                 grad = p * (log_p - log_q + 1.0 - p_dot_g)
             else:
-                log_q = tl.load(t_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_temp - lse_b
-                x1 = log_q + log_beta
-                x2 = log_p + log_1m_beta
-                hi = tl.maximum(x1, x2)
-                log_m = hi + tl.log(tl.exp(x1 - hi) + tl.exp(x2 - hi))
+                log_m = mixture_log(log_p, log_q, log_beta, log_1m_beta)
                 grad = p * ((1.0 - beta) * (log_p - log_m) - p_dot_g)
             tl.store(g_row + cols, (grad * inv_temp).to(G.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def jsd_logprobs_kernel(
+    X, stride_x, Y, stride_y, G, stride_g, LOSS, LABELS, SCALE, n_cols, ignore_index, beta, log_beta,
+    log_1m_beta, MODE: tl.constexpr, HAS_LABELS: tl.constexpr, COMPUTE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """One program a row of log-probabilities X (student) and Y (teacher): LOSS[row] = SCALE[0]
+    times the row's divergence, G row = its gradient with respect to X (one pass). A row whose
+    label is ignore_index gets 0 for both and its X, Y are not read."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * stride_x
+    y_row = Y + row * stride_y
+    g_row = G + row * stride_g
+    offs = tl.arange(0, BLOCK_V)
+    ignored = False
+    if HAS_LABELS:
+        ignored = tl.load(LABELS + row) == ignore_index
+    if ignored:
+        tl.store(LOSS + row, 0.0)
+        if COMPUTE_GRAD:
+            for start in range(0, n_cols, BLOCK_V):
+                cols = start + offs
+                tl.store(g_row + cols, tl.zeros([BLOCK_V], dtype=G.dtype.element_ty), mask=cols < n_cols)
+    else:
+        scale = tl.load(SCALE)
+        acc = tl.zeros([BLOCK_V], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_V):
+            cols = start + offs
+            mask = cols < n_cols
+            log_p = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            log_q = tl.load(y_row + cols, mask=mask, other=0.0).to(tl.float32)
+            if MODE == 0:
+                q = tl.exp(log_q)
+                term = q * (log_q - log_p)
+                grad = -q
+            elif MODE == 1:
+                p = tl.exp(log_p)
+                term = p * (log_p - log_q)
+                grad = term + p
+            else:
+                log_m = mixture_log(log_p, log_q, log_beta, log_1m_beta)
+                grad = (1.0 - beta) * tl.exp(log_p) * (log_p - log_m)
+                term = beta * tl.exp(log_q) * (log_q - log_m) + grad
+            acc += tl.where(mask, term, 0.0)
+            if COMPUTE_GRAD:
+                tl.store(g_row + cols, (grad * scale).to(G.dtype.element_ty), mask=mask)
+        tl.store(LOSS + row, tl.sum(acc, axis=0) * scale)
 
 
 def jsd_mode(beta: float) -> int:
     return FORWARD_KL if beta == 0 else REVERSE_KL if beta == 1 else MIXED
 
 
-def check_jsd_options(beta, temperature):
-    if not 0.0 <= beta <= 1.0:
+def check_jsd_options(beta, temperature=1.0):
+    for name, value in (("beta", beta), ("temperature", temperature)):
+        try:
+            float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"{name} must be a number, got {type(value).__name__}") from None
+    if not 0.0 <= float(beta) <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta}")
-    if not temperature > 0:
+    if not float(temperature) > 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
 
 
@@ -160,6 +233,7 @@ class LinearJSDFunction(torch.autograd.Function):
     @staticmethod
     def forward(x, weight, bias, teacher_x, teacher_weight, teacher_bias, beta, temperature, compute_grad=True):
         check_jsd_options(beta, temperature)
+        beta, temperature = float(beta), float(temperature)
         for name, xx, w, b in (("", x, weight, bias), ("teacher_", teacher_x, teacher_weight, teacher_bias)):
             check_tensor(f"{name}x", xx, ndim=2)
             check_tensor(f"{name}weight", w, ndim=2)
@@ -188,3 +262,75 @@ class LinearJSDFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_buffer):
         return linear_head_rows_backward(ctx, grad_loss, "linear_jsd")
+
+
+def jsd_logprobs_rows(student, teacher, labels, scale, grad, beta, ignore_index):
+    """Launch on checked [N, V] log-probabilities (unit last stride): -> loss [N] fp32, each row
+    times scale (a one-element fp32 tensor) and 0 where labels (None: no row ignored) hold
+    ignore_index; grad (None: no gradient) receives d sum(loss) / d student."""
+    n_rows, n_cols = student.shape
+    loss = new_output((n_rows,), torch.float32, student.device)
+    if n_rows:
+        # One read of each row: a streaming pass, a warp per 512 elements of the block.
+        block = min(4096, next_pow2(n_cols))
+        log_beta = math.log(beta) if beta > 0 else 0.0
+        log_1m_beta = math.log(1 - beta) if beta < 1 else 0.0
+        launch(jsd_logprobs_kernel, (n_rows,),
+            student, student.stride(0), teacher, teacher.stride(0),
+            grad if grad is not None else student, grad.stride(0) if grad is not None else 0,
+            loss, labels if labels is not None else scale, scale, n_cols, ignore_index, float(beta), log_beta,
+            log_1m_beta, MODE=jsd_mode(beta), HAS_LABELS=labels is not None, COMPUTE_GRAD=grad is not None,
+            BLOCK_V=block, num_warps=max(4, min(8, block // 512)),
+        )
+    return loss
+
+
+class JSDFunction(torch.autograd.Function):
+    """Mean over the non-ignored rows of the generalised JSD between student log-probabilities
+    [..., V] (fp32 / bf16 / fp16; the gradient flows here) and teacher log-probabilities of the
+    same shape (no gradient): -> fp32 scalar. target [...] or None: rows whose target is
+    ignore_index count for nothing (their values are not read); all rows ignored gives 0."""
+
+    @staticmethod
+    def forward(ctx, student, teacher, target=None, beta=0.5, ignore_index=-100, grad_enabled=True):
+        check_jsd_options(beta)
+        beta = float(beta)
+        check_tensor("student_logprobs", student, min_ndim=1)
+        check_tensor("teacher_logprobs", teacher, min_ndim=1)
+        if teacher.shape != student.shape:
+            raise ValueError(f"teacher_logprobs has shape {tuple(teacher.shape)} but student_logprobs has "
+                             f"{tuple(student.shape)}: they must match ([..., V], the same vocabulary)")
+        if target is not None:
+            check_tensor("target", target, floating=False)
+            if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+                raise TypeError(f"target must hold integer labels, got dtype {target.dtype}")
+            if target.shape != student.shape[:-1]:
+                raise ValueError(f"target has shape {tuple(target.shape)} but the log-probabilities have "
+                                 f"{tuple(student.shape[:-1])} rows ([..., V] -> target [...])")
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+        check_same_device(student_logprobs=student, teacher_logprobs=teacher, target=target)
+        student2, teacher2 = as_rows(student), as_rows(teacher)
+        labels = None if target is None else target.reshape(-1)
+        n_rows = student2.shape[0]
+        if labels is None:
+            scale = torch.full((1,), 1.0 / max(n_rows, 1), dtype=torch.float32, device=student.device)
+        else:  # on the device: no host sync
+            scale = (1.0 / (labels != ignore_index).sum().clamp_min(1).to(torch.float32)).reshape(1)
+        grad = None
+        if ctx.needs_input_grad[0] and grad_enabled:
+            grad = new_output(student2.shape, student.dtype, student.device)
+        loss = jsd_logprobs_rows(student2, teacher2, labels, scale, grad, beta, ignore_index).sum()
+        ctx.save_for_backward(grad)
+        ctx.has_grad = grad is not None
+        ctx.shape = student.shape
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if not ctx.has_grad:
+            raise RuntimeError("jsd ran without a gradient (grad mode was off) but one was asked for")
+        (grad,) = ctx.saved_tensors
+        # In place when the graph is freed after this backward; a new buffer when it is retained.
+        out = scaled_gradient(grad, grad_loss.reshape(1).to(torch.float32))
+        return out.view(ctx.shape), None, None, None, None, None

@@ -15,11 +15,11 @@ from tigon.ops._common import (
     cdiv,
     check_same_device,
     check_tensor,
-    launch,
     new_output,
     persistent_programs,
     row_block_config,
 )
+from tigon.ops._internals import launch
 
 
 @triton.jit
@@ -93,6 +93,8 @@ def layer_norm_backward_kernel(
 
 
 def check_layer_norm_args(x, weight, bias):
+    """x [..., N], weight and bias [N] or None, on one device; returns (weight, bias) as the
+    kernels read them (unit stride: a copy of an expanded one)."""
     check_tensor("x", x, min_ndim=1)
     n = x.shape[-1]
     for name, p in (("weight", weight), ("bias", bias)):
@@ -101,19 +103,20 @@ def check_layer_norm_args(x, weight, bias):
             if p.shape[0] != n:
                 raise ValueError(f"{name} has shape {tuple(p.shape)} but x's last dim is {n}")
     check_same_device(x=x, weight=weight, bias=bias)
+    return tuple(p if p is None or p.is_contiguous() else p.contiguous() for p in (weight, bias))
 
 
 class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps=1e-5):
-        check_layer_norm_args(x, weight, bias)
+        weight, bias = check_layer_norm_args(x, weight, bias)
         x2 = as_rows(x)
         n_rows, n_cols = x2.shape
         block_m, block_n, num_warps, _ = row_block_config(n_cols)
         y = new_output((n_rows, n_cols), x.dtype, x.device)
         mean = new_output((n_rows,), torch.float32, x.device)
         rstd = new_output((n_rows,), torch.float32, x.device)
-        if n_rows:
+        if n_rows and n_cols:
             launch(layer_norm_forward_kernel, (cdiv(n_rows, block_m),),
                 x2, x2.stride(0), y, y.stride(0),
                 weight if weight is not None else x2, bias if bias is not None else x2, mean, rstd,
@@ -138,7 +141,7 @@ class LayerNormFunction(torch.autograd.Function):
         n_programs = persistent_programs(x2.device, cdiv(n_rows, block_m), per_sm)
         dw_partial = new_output((n_programs, n_cols), torch.float32, x2.device) if compute_dw else None
         db_partial = new_output((n_programs, n_cols), torch.float32, x2.device) if compute_db else None
-        if n_rows:
+        if n_rows and n_cols:
             launch(layer_norm_backward_kernel, (n_programs,),
                 dy2, dy2.stride(0), x2, x2.stride(0), weight if weight is not None else x2,
                 mean, rstd, dx, dx.stride(0),

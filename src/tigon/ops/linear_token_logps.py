@@ -17,7 +17,12 @@ from __future__ import annotations
 
 import torch
 
-from tigon.ops.cross_entropy import check_cross_entropy_options, cross_entropy_norms, cross_entropy_rows
+from tigon.ops.cross_entropy import (
+    CrossEntropyOptions,
+    check_cross_entropy_options,
+    cross_entropy_norms,
+    cross_entropy_rows,
+)
 from tigon.ops.fused_linear_cross_entropy import check_flce_args
 from tigon.ops._common import new_output
 
@@ -79,11 +84,13 @@ class LinearTokenLogpsFunction(torch.autograd.Function):
         check_flce_args(x, weight, target, bias)
         if x.ndim != 2 or target.ndim != 1:
             raise ValueError(f"x must be [N, H] and target [N], got {tuple(x.shape)} and {tuple(target.shape)}")
-        check_cross_entropy_options(target, x.shape[0], weight.shape[0], None, "none", 0.0, None, ignore_index)
+        opts = CrossEntropyOptions(ignore_index=ignore_index, reduction="none")
+        check_cross_entropy_options(target, x.shape[0], weight.shape[0], opts)
+        target = target.contiguous()
         logits = linear_head_logits(x, weight, bias)
-        norms = cross_entropy_norms(target, None, ignore_index, "none")
+        norms = cross_entropy_norms(target, opts)
         grad = logits if compute_grad else None
-        loss_rows, _, _ = cross_entropy_rows(logits, target, None, norms, grad, ignore_index, 0.0, 0.0, None, False)
+        loss_rows, _, _ = cross_entropy_rows(logits, target, norms, grad, opts)
         return loss_rows.neg_(), logits
 
     @staticmethod

@@ -1,12 +1,20 @@
 """RMSNorm: y = x / sqrt(mean(x^2) + eps) * (weight + offset), over the last dim.
 
-Casting modes, matching the Hugging Face models:
+Casting modes (``CASTING_MODES``), matching these torch references:
 - ``"llama"``: normalise in fp32, cast to x's dtype, then multiply by the weight
-  (output dtype = promote(x.dtype, weight.dtype)), as ``LlamaRMSNorm``.
+  (output dtype = promote(x.dtype, weight.dtype)), as HF's ``LlamaRMSNorm``.
 - ``"gemma"``: everything in fp32, ``offset`` usually 1.0 (Gemma's ``1 + w``), cast to
-  x's dtype at the end, as ``GemmaRMSNorm``.
+  x's dtype at the end, as HF's ``GemmaRMSNorm``.
+- ``"none"``: no upcast, as Liger's casting mode "none": the eager expression
+  ``(weight + offset) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))`` with every
+  tensor op in its inputs' dtype. The kernel computes in fp32 and rounds where that expression
+  rounds: x^2, the mean (fp32-accumulated, as torch's reductions), + eps, rsqrt, the product with
+  x, weight + offset, and the output (dtype as "llama"). No HF model computes its norm this way
+  (all upcast); it is for models trained with it. The backward is the gradient of that function
+  at the forward's (rounded) rstd.
 
-The kernels also serve the fused residual-add variant (``fused_add_rms_norm.py``).
+``weight=None`` (``elementwise_affine=False``): no scaling, output in x's dtype; offset must
+be 0. The kernels also serve the fused residual-add variant (``fused_add_rms_norm.py``).
 """
 
 from __future__ import annotations
@@ -20,13 +28,28 @@ from tigon.ops._common import (
     cdiv,
     check_same_device,
     check_tensor,
-    launch,
     new_output,
     persistent_programs,
     row_block_config,
 )
+from tigon.ops._internals import launch
 
-CASTING_MODES = {"llama": 0, "gemma": 1}
+CASTING_MODES = {"llama": 0, "gemma": 1, "none": 2}
+
+
+def check_casting(casting) -> None:
+    """``casting`` must name one of ``CASTING_MODES``."""
+    if not isinstance(casting, str) or casting not in CASTING_MODES:
+        raise ValueError(f"casting must be one of {', '.join(map(repr, CASTING_MODES))}, got {casting!r}")
+
+
+@triton.jit
+def rms_norm_weight(W, cols, n_cols, offset, CASTING: tl.constexpr):
+    """weight + offset [BLOCK_N] in fp32; rounded to the weight's dtype in casting "none"."""
+    w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
+    if CASTING == 2:
+        w = w.to(W.dtype.element_ty).to(tl.float32)
+    return w
 
 
 @triton.jit
@@ -34,9 +57,10 @@ def rms_norm_forward_kernel(
     X, stride_x, R, stride_r, S, stride_s, Y, stride_y, W, RSTD,
     n_rows, n_cols, eps, offset,
     CASTING: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr = True,
 ):
-    """BLOCK_M rows per program. With HAS_RESIDUAL, normalises s = x + r and stores s too."""
+    """BLOCK_M rows per program. With HAS_RESIDUAL, normalises s = x + r and stores s too.
+    RSTD gets the rstd the output was formed with (fp32; in casting "none" a value of x's dtype)."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
@@ -48,13 +72,20 @@ def rms_norm_forward_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(S.dtype.element_ty)
         tl.store(S + rows[:, None] * stride_s + cols[None, :], x, mask=mask)
     xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
+    if CASTING == 2:
+        # Each step rounded to x's dtype, as the eager ops of the reference (see the docstring).
+        dt = X.dtype.element_ty
+        squares = (xf * xf).to(dt).to(tl.float32)
+        mean_sq = (tl.sum(squares, axis=1) / n_cols).to(dt).to(tl.float32)
+        rstd = tl.rsqrt((mean_sq + eps).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    else:
+        rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
     tl.store(RSTD + rows, rstd, mask=row_mask)
-    w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
-    x_hat = xf * rstd[:, None]
-    if CASTING == 0:
-        x_hat = x_hat.to(X.dtype.element_ty).to(tl.float32)
-    y = x_hat * w[None, :]
+    y = xf * rstd[:, None]
+    if CASTING != 1:  # "llama", "none": the normalised x is rounded to x's dtype
+        y = y.to(X.dtype.element_ty).to(tl.float32)
+    if HAS_WEIGHT:
+        y = y * rms_norm_weight(W, cols, n_cols, offset, CASTING)[None, :]
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -63,17 +94,18 @@ def rms_norm_backward_kernel(
     DY, stride_dy, X, stride_x, W, RSTD, DX, stride_dx, DS, stride_ds, DW_PARTIAL,
     n_rows, n_cols, offset,
     CASTING: tl.constexpr, HAS_DS: tl.constexpr, COMPUTE_DW: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr = True,
 ):
     """Persistent grid: each program walks row blocks pid, pid + G, ... and keeps its share
     of dW in fp32 registers, written once to DW_PARTIAL[pid] (summed on the host side), so
-    the weight gradient needs no atomics. DX may alias DY (in-place backward). With HAS_DS
-    the incoming gradient of the residual stream DS is added to dx."""
+    the weight gradient needs no atomics. DX may alias DY (in-place backward; rows must not
+    overlap). With HAS_DS the incoming gradient of the residual stream DS is added to dx."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
-    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+    if HAS_WEIGHT:
+        w = rms_norm_weight(W, cols, n_cols, offset, CASTING)
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     for block in range(pid, tl.cdiv(n_rows, BLOCK_M), n_programs):
         rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -83,13 +115,16 @@ def rms_norm_backward_kernel(
         dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
         x_hat = x.to(tl.float32) * rstd[:, None]
-        g = dy * w[None, :]
+        if HAS_WEIGHT:
+            g = dy * w[None, :]
+        else:
+            g = dy
         dx = rstd[:, None] * (g - x_hat * (tl.sum(g * x_hat, axis=1) / n_cols)[:, None])
         if HAS_DS:
             dx += tl.load(DS + rows[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
-            if CASTING == 0:
+            if CASTING != 1:  # the forward multiplied the weight by the rounded x_hat
                 x_hat = x_hat.to(X.dtype.element_ty).to(tl.float32)
             dw += tl.sum(dy * x_hat, axis=0)
     if COMPUTE_DW:
@@ -97,48 +132,53 @@ def rms_norm_backward_kernel(
 
 
 def rms_norm_forward(x2, weight, eps, offset, casting, residual2=None):
-    """x2 [M, N] (unit last stride), weight [N] -> (y [M, N], rstd fp32 [M], s [M, N] or None)."""
+    """x2 [M, N] (unit last stride), weight [N] (contiguous) or None
+    -> (y [M, N], rstd fp32 [M], s [M, N] or None)."""
     n_rows, n_cols = x2.shape
     block_m, block_n, num_warps, _ = row_block_config(n_cols)
-    out_dtype = torch.promote_types(x2.dtype, weight.dtype) if casting == "llama" else x2.dtype
+    scaled = weight is not None and casting != "gemma"
+    out_dtype = torch.promote_types(x2.dtype, weight.dtype) if scaled else x2.dtype
     y = new_output((n_rows, n_cols), out_dtype, x2.device)
     rstd = new_output((n_rows,), torch.float32, x2.device)
     s = new_output((n_rows, n_cols), x2.dtype, x2.device) if residual2 is not None else None
-    if n_rows:
+    if n_rows and n_cols:
         launch(rms_norm_forward_kernel, (cdiv(n_rows, block_m),),
             x2, x2.stride(0),
             residual2 if residual2 is not None else x2, residual2.stride(0) if residual2 is not None else 0,
             s if s is not None else x2, s.stride(0) if s is not None else 0,
-            y, y.stride(0), weight, rstd,
+            y, y.stride(0), weight if weight is not None else x2, rstd,
             n_rows, n_cols, eps, offset,
             CASTING=CASTING_MODES[casting], HAS_RESIDUAL=residual2 is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            BLOCK_M=block_m, BLOCK_N=block_n, HAS_WEIGHT=weight is not None, num_warps=num_warps,
         )
     return y, rstd, s
 
 
-def rms_norm_backward(dy2, x2, weight, rstd, offset, casting, compute_dw, in_place=False, ds2=None):
+def rms_norm_backward(dy2, x2, weight, rstd, offset, casting, compute_dw, inplace=False, ds2=None):
     """Gradients of rms_norm_forward: (dx [M, N] in x's dtype, dw [N] or None).
 
     x2 is the normalised input (the sum s for the fused-add variant); ds2 [M, N] is the
-    gradient arriving on s directly, added to dx. in_place writes dx over dy2.
+    gradient arriving on s directly, added to dx. inplace writes dx over dy2 when it is of
+    x's dtype (dy2 comes from as_rows: a self-overlapping gradient, such as the stride-0 one of
+    y.sum(), has been copied there), else into a new buffer.
     """
     n_rows, n_cols = x2.shape
     block_m, block_n, num_warps, per_sm = row_block_config(n_cols, backward=True)
-    if in_place and dy2.dtype == x2.dtype and dy2.stride(-1) == 1:
+    if inplace and dy2.dtype == x2.dtype and dy2.stride(-1) == 1:
         dx = dy2
     else:
         dx = new_output((n_rows, n_cols), x2.dtype, x2.device)
+    compute_dw = compute_dw and weight is not None
     n_programs = persistent_programs(x2.device, cdiv(n_rows, block_m), per_sm)
     dw_partial = new_output((n_programs, n_cols), torch.float32, x2.device) if compute_dw else None
-    if n_rows:
+    if n_rows and n_cols:
         launch(rms_norm_backward_kernel, (n_programs,),
-            dy2, dy2.stride(0), x2, x2.stride(0), weight, rstd, dx, dx.stride(0),
+            dy2, dy2.stride(0), x2, x2.stride(0), weight if weight is not None else x2, rstd, dx, dx.stride(0),
             ds2 if ds2 is not None else dy2, ds2.stride(0) if ds2 is not None else 0,
             dw_partial if compute_dw else rstd,
             n_rows, n_cols, offset,
             CASTING=CASTING_MODES[casting], HAS_DS=ds2 is not None, COMPUTE_DW=compute_dw,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            BLOCK_M=block_m, BLOCK_N=block_n, HAS_WEIGHT=weight is not None, num_warps=num_warps,
         )
     dw = None
     if compute_dw:
@@ -146,12 +186,19 @@ def rms_norm_backward(dy2, x2, weight, rstd, offset, casting, compute_dw, in_pla
     return dx, dw
 
 
-def check_norm_args(x, weight, casting=None, **others):
-    """Shared argument checks of the norm ops: x [..., N], weight [N], floating, one device."""
+def check_norm_args(x, weight, casting, offset, **others):
+    """Shared argument checks of the norm ops: x [..., N], weight [N] or None, floating, one
+    device; returns the weight as the kernels read it (unit stride: a copy of an expanded one)."""
+    check_casting(casting)
     check_tensor("x", x, min_ndim=1)
-    check_tensor("weight", weight, ndim=1)
-    if weight.shape[0] != x.shape[-1]:
-        raise ValueError(f"weight has shape {tuple(weight.shape)} but x's last dim is {x.shape[-1]}")
+    if weight is None:
+        if offset:
+            raise ValueError(f"offset={offset} scales by (weight + offset), but weight is None "
+                             "(no weight: offset must be 0)")
+    else:
+        check_tensor("weight", weight, ndim=1)
+        if weight.shape[0] != x.shape[-1]:
+            raise ValueError(f"weight has shape {tuple(weight.shape)} but x's last dim is {x.shape[-1]}")
     for name, t in others.items():
         if t is not None:
             check_tensor(name, t)
@@ -160,28 +207,26 @@ def check_norm_args(x, weight, casting=None, **others):
             if t.dtype != x.dtype:
                 raise TypeError(f"{name} has dtype {t.dtype} but x has dtype {x.dtype}")
     check_same_device(x=x, weight=weight, **others)
-    if casting is not None and casting not in CASTING_MODES:
-        raise ValueError(f"casting must be one of {sorted(CASTING_MODES)}, got {casting!r}")
+    return weight if weight is None or weight.is_contiguous() else weight.contiguous()
 
 
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps=1e-6, offset=0.0, casting="llama", in_place=False):
-        check_norm_args(x, weight, casting)
+    def forward(ctx, x, weight, eps=1e-6, offset=0.0, casting="llama", inplace=False):
+        weight = check_norm_args(x, weight, casting, offset)
         x2 = as_rows(x)
         y, rstd, _ = rms_norm_forward(x2, weight, float(eps), float(offset), casting)
         ctx.save_for_backward(x2, rstd)
         ctx.weight = weight  # a parameter: kept, not saved (see the note in tigon.ops._common)
-        ctx.offset, ctx.casting, ctx.in_place = float(offset), casting, in_place
+        ctx.offset, ctx.casting, ctx.inplace = float(offset), casting, inplace
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
         x2, rstd = ctx.saved_tensors
-        weight = ctx.weight
         dy2 = as_rows(dy)
         dx, dw = rms_norm_backward(
-            dy2, x2, weight, rstd, ctx.offset, ctx.casting,
-            compute_dw=ctx.needs_input_grad[1], in_place=ctx.in_place,
+            dy2, x2, ctx.weight, rstd, ctx.offset, ctx.casting,
+            compute_dw=ctx.needs_input_grad[1], inplace=ctx.inplace,
         )
         return dx.view(dy.shape), dw, None, None, None, None

@@ -19,11 +19,11 @@ from tigon.ops._common import (
     check_same_device,
     check_same_dtype,
     check_tensor,
-    launch,
     new_output,
     next_pow2,
     poison_,
 )
+from tigon.ops._internals import launch
 
 
 @triton.jit

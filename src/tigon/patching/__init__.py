@@ -3,15 +3,41 @@
 from tigon.patching.families import BY_MODEL_TYPE, FAMILIES, Family
 from tigon.patching.forwards import TigonPatchError
 from tigon.patching.patcher import (
-           PATCHERS,
-           PatchReport,
-           apply_family,
-           patch,
-           patched,
-           unpatch,
+    PATCH_OPTION_NAMES,
+    PatchOptions,
+    PatchReport,
+    apply_family,
+    family_patcher,
+    patch,
+    patched,
+    unpatch,
 )
 
-globals().update(PATCHERS)
+# One patch_<family> per row of FAMILIES (tests/integration/test_patching.py checks they match).
+patch_llama = family_patcher("llama")
+patch_mistral = family_patcher("mistral")
+patch_mixtral = family_patcher("mixtral")
+patch_qwen2 = family_patcher("qwen2")
+patch_qwen3 = family_patcher("qwen3")
+patch_qwen3_moe = family_patcher("qwen3_moe")
+patch_gemma = family_patcher("gemma")
+patch_gemma2 = family_patcher("gemma2")
+patch_gemma3 = family_patcher("gemma3")
+patch_phi3 = family_patcher("phi3")
+patch_granite = family_patcher("granite")
+patch_olmo2 = family_patcher("olmo2")
+patch_glm4 = family_patcher("glm4")
+patch_ministral = family_patcher("ministral")
+patch_smollm3 = family_patcher("smollm3")
+patch_qwen2_moe = family_patcher("qwen2_moe")
+patch_olmo3 = family_patcher("olmo3")
+patch_exaone4 = family_patcher("exaone4")
+patch_seed_oss = family_patcher("seed_oss")
+patch_hunyuan_v1_dense = family_patcher("hunyuan_v1_dense")
+patch_helium = family_patcher("helium")
+patch_glm4_moe = family_patcher("glm4_moe")
 
-__all__ = ["BY_MODEL_TYPE", "FAMILIES", "Family", "PatchReport", "TigonPatchError", "apply_family", "patch",
-           "patched", "unpatch", *PATCHERS]
+PATCHERS = {name: value for name, value in globals().items() if name.startswith("patch_")}
+
+__all__ = ["BY_MODEL_TYPE", "FAMILIES", "Family", "PATCH_OPTION_NAMES", "PatchOptions", "PatchReport",
+           "TigonPatchError", "apply_family", "patch", "patched", "unpatch", *PATCHERS]

@@ -11,14 +11,17 @@ import contextlib
 import functools
 import inspect
 import threading
+import weakref
 
 import torch
 from torch import nn
 
 from tigon import functional as TF
-from tigon.ops import GLUDownProjFunction, GLUFunction, GLUMLPFunction, TiedGradSlot
-from tigon.ops._common import thread_flag, under_checkpoint
+from tigon.ops import GLUFunction, TiedGradSlot
+from tigon.ops._common import thread_flag
 from tigon.ops.cross_entropy import deferred_label_checks
+from tigon.ops.glu import TORCH_ACTIVATIONS
+from tigon.ops.glu_mlp import gated_mlp, glu_down
 
 
 def _eager(fn):
@@ -39,9 +42,8 @@ def _eager(fn):
 _rms_norm = _eager(TF.rms_norm)
 _rope = _eager(TF.apply_rotary_pos_emb)
 _glu = _eager(GLUFunction.apply)
-_glu_down = _eager(GLUDownProjFunction.apply)
-_glu_mlp = _eager(GLUMLPFunction.apply)
-_under_checkpoint = _eager(under_checkpoint)  # reads autograd's hook stack: not for tracing
+_glu_down = _eager(glu_down)
+_gated_mlp = _eager(gated_mlp)  # reads autograd's checkpoint hooks: not for tracing
 
 
 def _deferring_label_checks(fn):
@@ -84,15 +86,12 @@ def make_rms_norm_forward(casting: str, offset: float):
 # ---- gated MLP and MoE experts ----
 
 _PROBE = torch.linspace(-6.0, 6.0, 97, dtype=torch.float64)
-_ACTIVATIONS = {
-    "silu": torch.nn.functional.silu,
-    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
-    "gelu_erf": torch.nn.functional.gelu,
-}
+# Activation found per module, without leaving an attribute on it (unpatch leaves nothing).
+_ACTIVATION_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def identify_activation(act: nn.Module | None) -> str | None:
-    """Which of tigon's GLU activations ``act`` computes ("silu", "gelu_tanh", "gelu_erf"),
+    """Which of tigon's GLU activations ``act`` computes (a name of tigon.ops.glu.ACTIVATIONS),
     found by evaluating it (names vary between HF versions; the function does not)."""
     if act is None:
         return None
@@ -101,55 +100,51 @@ def identify_activation(act: nn.Module | None) -> str | None:
             y = act(_PROBE.to(torch.float32)).to(torch.float64)
     except Exception:  # an activation we cannot evaluate is one we do not know
         return None
-    for name, ref in _ACTIVATIONS.items():
+    for name, ref in TORCH_ACTIVATIONS.items():
         if torch.allclose(y, ref(_PROBE), atol=1e-5, rtol=1e-5):
             return name
     return None
 
 
+def activation_module(module: nn.Module):
+    return getattr(module, "act_fn", None) or getattr(module, "activation_fn", None)
+
+
 def mlp_activation(module: nn.Module) -> str:
-    """The module's activation as a tigon name, cached on the instance; error if unsupported."""
-    cached = module.__dict__.get("_tigon_activation")
-    if cached:
-        return cached
-    act = getattr(module, "act_fn", None) or getattr(module, "activation_fn", None)
-    name = identify_activation(act)
+    """The module's activation as a tigon name, found once per module; error if unsupported."""
+    name = _ACTIVATION_OF.get(module)
     if name is None:
-        raise TigonPatchError(f"{type(module).__name__}: activation {act!r} is not one tigon fuses "
-                              f"(SiLU, GELU tanh, GELU erf); patch with swiglu=False")
-    module.__dict__["_tigon_activation"] = name
+        act = activation_module(module)
+        name = identify_activation(act)
+        if name is None:
+            raise TigonPatchError(f"{type(module).__name__}: activation {act!r} is not one tigon fuses "
+                                  f"(SiLU, GELU tanh, GELU erf); patch with swiglu=False")
+        _ACTIVATION_OF[module] = name
     return name
 
 
-def _glu_then_down(module, gate, up, down):
-    activation = mlp_activation(module)
-    if type(down) is nn.Linear:  # plain Linear: fuse, recompute the activation in the backward
-        return _glu_down(gate, up, down.weight, down.bias, activation, True)  # gate/up: ours to overwrite
-    return down(_glu(gate, up, activation))  # LoRA / quantised layers keep their forward
+def mlp_multipliers(module: nn.Module) -> tuple[float, float]:
+    """(gate, down) multipliers of a gated MLP (Falcon-H1 has them; 1 for everyone else)."""
+    return float(getattr(module, "gate_multiplier", 1.0)), float(getattr(module, "down_multiplier", 1.0))
 
 
-def _plain_linear(module) -> bool:
-    return type(module) is nn.Linear and module.bias is None
-
-
-def make_mlp_forward(layout: str, recompute_under_checkpoint: bool = False):
-    """The gated MLP's forward. With ``recompute_under_checkpoint`` (the family's layers save
-    nothing after the MLP), under torch.utils.checkpoint it keeps only its input."""
+def make_mlp_forward(layout: str, keep_input_only: bool = False):
+    """The gated MLP's forward. ``keep_input_only`` (the family's layers save nothing after the
+    MLP): under torch.utils.checkpoint it keeps only its input (tigon.ops.glu_mlp.gated_mlp)."""
     if layout == "gate_up_down":
         def forward(self, x):
-            if (recompute_under_checkpoint and torch.is_grad_enabled() and _plain_linear(self.gate_proj)
-                    and _plain_linear(self.up_proj) and _plain_linear(self.down_proj) and _under_checkpoint()):
-                # Under gradient checkpointing: keep only x, recompute gate / up in the backward.
-                return _glu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
-                                mlp_activation(self))
-            return _glu_then_down(self, self.gate_proj(x), self.up_proj(x), self.down_proj)
+            gate_multiplier, down_multiplier = mlp_multipliers(self)
+            return _gated_mlp(x, self.gate_proj, self.up_proj, self.down_proj, mlp_activation(self),
+                              keep_input_only=keep_input_only, gate_multiplier=gate_multiplier,
+                              down_multiplier=down_multiplier)
     elif layout == "fused_gate_up":
         def forward(self, x):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return _glu_then_down(self, gate, up, self.down_proj)
+            gate_multiplier, down_multiplier = mlp_multipliers(self)
+            return _glu_down(gate, up, self.down_proj, mlp_activation(self), gate_multiplier, down_multiplier)
     else:
         raise ValueError(f"unknown MLP layout {layout!r}")
-    forward._tigon = f"gated MLP ({layout}{', input-only under checkpointing' if recompute_under_checkpoint else ''})"
+    forward._tigon = f"gated MLP ({layout}{', input-only under checkpointing' if keep_input_only else ''})"
     return forward
 
 
@@ -195,6 +190,36 @@ def tigon_apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
 
 
 tigon_apply_rotary_pos_emb._tigon = "rope"
+
+# RoPE is a module-level function of HF's modeling files, called by the attention modules. An
+# instance patch must change one model only: the module function becomes a dispatcher that runs
+# tigon's RoPE while a patched attention module's forward is on this thread, HF's otherwise.
+_ROPE_SCOPE = threading.local()
+
+
+def make_rope_dispatcher(original):
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if getattr(_ROPE_SCOPE, "on", False):
+            return tigon_apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs)
+        return original(q, k, cos, sin, *args, **kwargs)
+
+    apply_rotary_pos_emb._tigon = "rope (inside patched models' attention only)"
+    apply_rotary_pos_emb._tigon_original = original
+    return apply_rotary_pos_emb
+
+
+def make_rope_scope(forward):
+    """An attention module's forward that runs ``forward`` with tigon's RoPE on (see above)."""
+    def scoped_forward(self, *args, **kwargs):
+        before = getattr(_ROPE_SCOPE, "on", False)
+        _ROPE_SCOPE.on = True
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            _ROPE_SCOPE.on = before
+
+    scoped_forward._tigon = "attention with tigon's RoPE"
+    return scoped_forward
 
 
 # ---- causal-LM loss ----

@@ -1,32 +1,51 @@
 """Apply a family row to the HF classes (before a model is built) or to a built model.
 
-Class patching sets the forwards on the HF classes (models built before or after use them);
-instance patching binds them to the modules of one model only. RoPE is a module-level
-function in HF's modeling files, so it is always replaced module-wide. Every patch is recorded
-so ``unpatch`` can restore what was there.
+Class patching (``patch_llama()``) sets the forwards on the HF classes and replaces the
+modeling module's RoPE function: every model of the family in the process, built before or
+after, uses tigon. Instance patching (``tigon.patch(model)``, ``patch_llama(model)``) changes
+that model only: its modules get their own forwards (``_InstancePatch``), and the module-level
+functions HF's modules call (RoPE, the packed-sequence check) become dispatchers that run
+tigon's version only inside the patched model's forward.
+
+What happens to a patched model:
+- ``copy.deepcopy`` gives a patched copy, which ``unpatch()`` unpatches too.
+- Pickling (``torch.save(model)``) stores it unpatched: it loads with HF's forwards and a
+  warning saying so (patch it again after loading). State dicts are unaffected by patching.
+- ``unpatch()`` undoes every patch (classes, module functions, every patched instance and its
+  copies); ``unpatch(model)`` the instance patches inside ``model``; ``with patched(...)``
+  exactly the patches its block made. Nothing is left on the modules afterwards.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import importlib
 import inspect
 import logging
 import types
+import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from tigon.ops._common import chunk_budget_bytes
 from tigon.patching.families import BY_MODEL_TYPE, FAMILIES, Family
 from tigon.patching.forwards import (
     TigonPatchError,
+    activation_module,
     identify_activation,
     make_causal_lm_forward,
     make_experts_forward,
     make_find_packed_sequence_indices,
     make_mlp_forward,
     make_rms_norm_forward,
+    make_rope_dispatcher,
+    make_rope_scope,
+    mlp_multipliers,
     norm_eps,
     tigon_apply_gate,
     tigon_apply_rotary_pos_emb,
@@ -34,43 +53,195 @@ from tigon.patching.forwards import (
 
 log = logging.getLogger("tigon")
 
-# (owner, attribute) -> what was there before tigon (owner: a class, module or instance).
-_ORIGINALS: dict[tuple[int, str], tuple[object, str, object, bool]] = {}
+
+@dataclass(frozen=True)
+class PatchOptions:
+    """What a patch replaces. rope: HF's apply_rotary_pos_emb; rms_norm: every RMSNorm;
+    swiglu: the gated MLP's activation (SwiGLU / GeGLU, and MoE experts' gates);
+    fused_linear_cross_entropy: the training loss from the last hidden state, without the
+    logits; cross_entropy: the loss with tigon's cross entropy over materialised logits
+    (instead of FLCE); chunk_budget: bytes of logits an FLCE chunk may hold (None: 512 MiB)."""
+
+    rope: bool = True
+    rms_norm: bool = True
+    swiglu: bool = True
+    fused_linear_cross_entropy: bool = True
+    cross_entropy: bool = False
+    chunk_budget: int | None = None
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name != "chunk_budget" and not isinstance(value, bool):
+                raise TypeError(f"{f.name} must be True or False, got {value!r}")
+        if self.chunk_budget is not None:
+            chunk_budget_bytes(self.chunk_budget)
+        if self.fused_linear_cross_entropy and self.cross_entropy:
+            raise ValueError("pass at most one of fused_linear_cross_entropy and cross_entropy "
+                             "(cross_entropy=True needs fused_linear_cross_entropy=False)")
+
+    @property
+    def loss(self) -> bool:
+        return self.fused_linear_cross_entropy or self.cross_entropy
 
 
-def _is_shared(owner) -> bool:
-    return isinstance(owner, (type, types.ModuleType))
+PATCH_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(PatchOptions))
 
 
-def _assign(owner, name, value):
-    """owner.name = value; on an instance, straight into its __dict__ (nn.Module.__setattr__
-    would register modules)."""
-    if _is_shared(owner):
+def patch_options(options: PatchOptions | None = None, **kwargs) -> PatchOptions:
+    """A PatchOptions from an existing one and/or keyword options, with a clear error for an
+    unknown name."""
+    unknown = sorted(set(kwargs) - set(PATCH_OPTION_NAMES))
+    if unknown:
+        raise TypeError(f"unknown patch option(s) {unknown}; the options are {list(PATCH_OPTION_NAMES)}")
+    base = options if options is not None else PatchOptions()
+    if not isinstance(base, PatchOptions):
+        raise TypeError(f"options must be a tigon.PatchOptions, got {type(base).__name__}")
+    return dataclasses.replace(base, **kwargs) if kwargs else base
+
+
+# ---- the record of what was patched ----
+
+_MISSING = object()
+# Shared owners (classes, modules): (id(owner), name) -> (owner, name, value before tigon).
+_SHARED_ORIGINALS: dict[tuple[int, str], tuple[object, str, object]] = {}
+# Instances with an _InstancePatch in their __dict__ (weakly: a patched model can be freed).
+_PATCHED_INSTANCES: weakref.WeakSet = weakref.WeakSet()
+
+
+def _warn_loaded_unpatched(name, before):
+    warnings.warn("tigon: this model was pickled while patched by tigon and loads unpatched (HF's forwards); "
+                  "call tigon.patch(model) again after loading", stacklevel=2)
+    return before
+
+
+class _InstancePatch:
+    """One module's own ``forward`` (or other attribute) set by tigon: calls ``fn(module, ...)``
+    and remembers what the module's __dict__ held before. It refers to the module weakly (no
+    reference cycle), follows it into deep copies (the copy is patched, and known to
+    ``unpatch``), and pickles as what was there before (loading gives an unpatched module)."""
+
+    __slots__ = ("fn", "name", "before", "_owner", "__weakref__")
+
+    def __init__(self, fn, owner, name, before):
+        self.fn, self.name, self.before = fn, name, before
+        self._owner = weakref.ref(owner)
+        _PATCHED_INSTANCES.add(owner)
+
+    @property
+    def owner(self):
+        return self._owner()
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(self._owner(), *args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        owner = self._owner()
+        new_owner = memo.get(id(owner), owner)
+        return _InstancePatch(self.fn, new_owner, self.name, copy.deepcopy(self.before, memo))
+
+    def __reduce__(self):
+        if self.before is _MISSING:
+            owner = self._owner()
+            # What the module did before tigon: the class's own attribute, bound to it.
+            return _warn_loaded_unpatched, (self.name, types.MethodType(getattr(type(owner), self.name), owner))
+        return _warn_loaded_unpatched, (self.name, self.before)
+
+    @property
+    def _tigon(self):
+        return getattr(self.fn, "_tigon", "tigon")
+
+    @property
+    def __signature__(self):
+        """fn's signature without its first parameter, as a bound method's (HF's Trainer reads
+        ``model.forward``'s parameters to pick the batch's columns)."""
+        signature = inspect.signature(self.fn)
+        return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+def _hooked_name(inst, name):
+    """accelerate's hooks (device_map with offload / several devices) wrap ``forward`` and call
+    ``_old_forward``: patch that one, so the hook keeps running."""
+    if name == "forward" and "_old_forward" in vars(inst) and hasattr(inst, "_hf_hook"):
+        return "_old_forward"
+    return name
+
+
+def _set_shared(owner, name, value, undo):
+    key = (id(owner), name)
+    before = vars(owner).get(name, _MISSING)
+    if key not in _SHARED_ORIGINALS:
+        _SHARED_ORIGINALS[key] = (owner, name, before)
+    undo.append((owner, name, before))
+    setattr(owner, name, value)
+
+
+def _set_instance(inst, name, fn, undo):
+    name = _hooked_name(inst, name)
+    own = vars(inst)
+    before = own.get(name, _MISSING)
+    original = before.before if isinstance(before, _InstancePatch) else before
+    undo.append((inst, name, before))
+    own[name] = _InstancePatch(fn, inst, name, original)
+
+
+def _restore(owner, name, value):
+    own = vars(owner)
+    if value is _MISSING:
+        if name in own:
+            if isinstance(owner, (type, types.ModuleType)):
+                delattr(owner, name)
+            else:
+                del own[name]
+    elif isinstance(owner, (type, types.ModuleType)):
         setattr(owner, name, value)
     else:
-        owner.__dict__[name] = value
+        own[name] = value
 
 
-def _set(owner, name, value):
-    """owner.name = value, remembering the first original for unpatch."""
-    key = (id(owner), name)
-    if key not in _ORIGINALS:
-        own = vars(owner)
-        _ORIGINALS[key] = (owner, name, own.get(name), name in own)
-    _assign(owner, name, value)
+def _unpatch_instance(inst) -> int:
+    count = 0
+    for name, value in list(vars(inst).items()):
+        if isinstance(value, _InstancePatch):
+            _restore(inst, name, value.before)
+            count += 1
+    _PATCHED_INSTANCES.discard(inst)
+    return count
 
 
-def unpatch(keep: int = 0) -> int:
-    """Undo every tigon patch (classes, module functions, instances), or all but the first
-    ``keep`` recorded ones. Returns how many were undone."""
-    entries = list(_ORIGINALS.items())[keep:]
-    for key, (owner, name, value, had) in reversed(entries):
-        del _ORIGINALS[key]
-        if had:
-            _assign(owner, name, value)
-        elif name in vars(owner):
-            delattr(owner, name) if _is_shared(owner) else vars(owner).pop(name)
-    return len(entries)
+def unpatch(model: nn.Module | None = None) -> int:
+    """Undo tigon's patches: all of them (classes, module functions, every patched instance and
+    its deep copies), or with ``model`` the instance patches of the modules inside it (the
+    module-level dispatchers stay: they only act inside patched models). Returns how many
+    attributes were restored."""
+    if model is not None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        return sum(_unpatch_instance(m) for m in model.modules())
+    count = sum(_unpatch_instance(m) for m in list(_PATCHED_INSTANCES))
+    for owner, name, before in reversed(list(_SHARED_ORIGINALS.values())):
+        _restore(owner, name, before)
+        count += 1
+    _SHARED_ORIGINALS.clear()
+    return count
+
+
+def _undo(undo) -> None:
+    """Undo exactly the changes recorded in ``undo`` (one patch call's), latest first."""
+    for owner, name, before in reversed(undo):
+        _restore(owner, name, before)
+        if isinstance(owner, (type, types.ModuleType)):
+            key = (id(owner), name)
+            if key in _SHARED_ORIGINALS and _SHARED_ORIGINALS[key][2] is before:
+                del _SHARED_ORIGINALS[key]
+        elif not any(isinstance(v, _InstancePatch) for v in vars(owner).values()):
+            _PATCHED_INSTANCES.discard(owner)
+
+
+def _family_by_name(name: str) -> Family:
+    if name not in FAMILIES:
+        raise ValueError(f"unknown family {name!r}; tigon knows {sorted(FAMILIES)}")
+    return FAMILIES[name]
 
 
 @contextlib.contextmanager
@@ -78,16 +249,14 @@ def patched(model: nn.Module | None = None, family: str | None = None, **options
     """``with tigon.patched(model): ...`` patches ``model`` (or, with ``family="llama"`` and no
     model, that family's classes) for the block and undoes exactly those patches after it.
     Yields the PatchReport."""
-    keep = len(_ORIGINALS)
+    if model is None and family is None:
+        raise ValueError("give a model, or a family name (one of tigon.FAMILIES)")
+    report = patch(model, **options) if model is not None else apply_family(_family_by_name(family),
+                                                                             patch_options(**options))
     try:
-        if model is not None:
-            yield patch(model, **options)
-        elif family is not None:
-            yield apply_family(FAMILIES[family], **options)
-        else:
-            raise ValueError("give a model, or a family name")
+        yield report
     finally:
-        unpatch(keep)
+        _undo(report.undo)
 
 
 @dataclass
@@ -98,12 +267,15 @@ class PatchReport:
     target: str
     replaced: list[tuple[str, str, str]] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    undo: list = field(default_factory=list, repr=False)  # (owner, name, value before), for patched()
 
     def pieces(self) -> set[str]:
         return {piece for piece, _, _ in self.replaced}
 
     def __str__(self) -> str:
         lines = [f"tigon patched {self.target} ({self.family}):"]
+        if not self.replaced:
+            lines.append("  nothing")
         lines += [f"  {piece:<26} {what} [{count}]" for piece, what, count in self.replaced]
         lines += [f"  {piece:<26} not patched: {why}" for piece, why in self.skipped]
         return "\n".join(lines)
@@ -141,48 +313,89 @@ def _check_rope_signature(fn, family):
                               " as tigon's RoPE expects")
 
 
+def single_input_forward(cls) -> bool:
+    """cls.forward takes one input besides self (``forward(self, hidden_states)``): a gated
+    norm's ``forward(self, hidden_states, gate=None)`` is not one tigon's forwards replace."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 1 and params[0].kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                   inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _check_single_input(cls, family, piece):
+    if not single_input_forward(cls):
+        raise TigonPatchError(f"{family.name}: {cls.__name__}.forward takes {inspect.signature(cls.forward)}, not "
+                              f"one input as tigon's {piece} forward does")
+
+
 def _instances(model: nn.Module, cls: type) -> list[nn.Module]:
     return [m for m in model.modules() if type(m) is cls]
 
 
-def apply_family(family: Family, *, rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True,
-                 cross_entropy=False, model: nn.Module | None = None, chunk_budget: int | None = None) -> PatchReport:
+def _calls_function(cls: type, fn_name: str) -> bool:
+    """cls.forward calls the module-level function ``fn_name`` of its modeling file."""
+    fwd = inspect.unwrap(getattr(cls, "forward", None))
+    code = getattr(fwd, "__code__", None)
+    return code is not None and fn_name in code.co_names
+
+
+def _forward_before_tigon(inst):
+    """What ``inst.forward`` ran before any tigon instance patch, as a function of (self, ...)."""
+    own = vars(inst).get(_hooked_name(inst, "forward"), _MISSING)
+    if isinstance(own, _InstancePatch):
+        own = own.before
+    if own is _MISSING:
+        return type(inst).forward
+    return lambda _self, *args, **kwargs: own(*args, **kwargs)
+
+
+def apply_family(family: Family, options: PatchOptions | None = None, model: nn.Module | None = None) -> PatchReport:
     """Patch the classes of ``family`` (model None) or the modules of ``model``; see patch_<family>."""
-    if fused_linear_cross_entropy and cross_entropy:
-        raise ValueError("pass at most one of fused_linear_cross_entropy and cross_entropy")
+    opts = patch_options(options)
     mod = _modeling(family)
     report = PatchReport(family.name, type(model).__name__ if model is not None else f"{family.module} classes")
+    undo = report.undo
     # Resolve every piece first: a missing one raises before anything is changed.
-    norm_classes = [_hf(mod, family, n, "rms_norm") for n in family.rms_norms] if rms_norm else []
-    mlp_classes = [_hf(mod, family, n, "swiglu") for n in family.mlps] if swiglu else []
-    experts_class = _hf(mod, family, family.experts, "swiglu") if swiglu and family.experts else None
-    lm_class = _hf(mod, family, family.causal_lm, "loss") if (fused_linear_cross_entropy or cross_entropy) else None
+    norm_classes = [_hf(mod, family, n, "rms_norm") for n in family.rms_norms] if opts.rms_norm else []
+    for cls in norm_classes:
+        _check_single_input(cls, family, "rms_norm")
+    mlp_classes = [_hf(mod, family, n, "swiglu") for n in family.mlps] if opts.swiglu else []
+    for cls in mlp_classes:
+        _check_single_input(cls, family, "swiglu")
+    experts_class = _hf(mod, family, family.experts, "swiglu") if opts.swiglu and family.experts else None
+    lm_class = _hf(mod, family, family.causal_lm, "loss") if opts.loss else None
     rope_fn = None
-    if rope and family.rope:
+    if opts.rope and family.rope:
         rope_fn = _hf(mod, family, family.rope, "rope")
-        _check_rope_signature(rope_fn, family)
-    elif rope:
+        _check_rope_signature(getattr(rope_fn, "_tigon_original", rope_fn), family)
+    elif opts.rope:
         report.skipped.append(("rope", family.note or "no RoPE patch for this family"))
-    if model is not None and lm_class is not None and not isinstance(model, lm_class):
-        if not any(type(m) is lm_class for m in model.modules()):
-            report.skipped.append(("loss", f"the model is not a {family.causal_lm}"))
-            lm_class = None
-    if experts_class is not None:
-        for attr in ("gate_up_proj", "down_proj"):
-            if model is not None:
-                for e in _instances(model, experts_class):
-                    if getattr(e, attr, None) is None or getattr(e, attr).ndim != 3:
-                        raise TigonPatchError(f"{family.name}: {experts_class.__name__}.{attr} is not a stacked "
-                                              "[experts, out, in] parameter in this transformers version")
+    if model is not None and lm_class is not None and not any(type(m) is lm_class for m in model.modules()):
+        report.skipped.append(("loss", f"the model is not a {family.causal_lm}"))
+        lm_class = None
+    if experts_class is not None and model is not None:
+        for e in _instances(model, experts_class):
+            for attr in ("gate_up_proj", "down_proj"):
+                if getattr(e, attr, None) is None or getattr(e, attr).ndim != 3:
+                    raise TigonPatchError(f"{family.name}: {experts_class.__name__}.{attr} is not a stacked "
+                                          "[experts, out, in] parameter in this transformers version")
+    if model is not None:
+        for cls in mlp_classes:
+            for inst in _instances(model, cls):
+                if identify_activation(activation_module(inst)) is None:
+                    raise TigonPatchError(f"{family.name}: {cls.__name__} uses activation {activation_module(inst)!r}, "
+                                          "which tigon does not fuse (SiLU, GELU tanh, GELU erf); pass swiglu=False")
 
     def put(owner_cls, name, fn, piece, what):
         if model is None:
-            _set(owner_cls, name, fn)
+            _set_shared(owner_cls, name, fn, undo)
             report.replaced.append((piece, what, "class"))
             return
         found = _instances(model, owner_cls)
         for inst in found:
-            _set(inst, name, types.MethodType(fn, inst))
+            _set_instance(inst, name, fn, undo)
         if found:
             report.replaced.append((piece, what, str(len(found))))
 
@@ -190,30 +403,21 @@ def apply_family(family: Family, *, rope=True, rms_norm=True, swiglu=True, fused
         put(cls, "forward", make_rms_norm_forward(family.rms_casting, family.rms_offset), "rms_norm",
             f"{cls.__name__} (casting={family.rms_casting}, offset={family.rms_offset:g})")
     for cls in mlp_classes:
-        if model is not None:
-            for inst in _instances(model, cls):
-                act = getattr(inst, "act_fn", None) or getattr(inst, "activation_fn", None)
-                if identify_activation(act) is None:
-                    raise TigonPatchError(f"{family.name}: {cls.__name__} uses activation {act!r}, which tigon "
-                                          "does not fuse (SiLU, GELU tanh, GELU erf); pass swiglu=False")
-        recompute = not family.mlp_output_saved and family.mlp_layout == "gate_up_down"
-        put(cls, "forward", make_mlp_forward(family.mlp_layout, recompute), "swiglu",
-            f"{cls.__name__} ({family.mlp_layout}{'; only its input kept under checkpointing' if recompute else ''})")
+        keep_input_only = not family.mlp_output_saved and family.mlp_layout == "gate_up_down"
+        put(cls, "forward", make_mlp_forward(family.mlp_layout, keep_input_only), "swiglu",
+            f"{cls.__name__} ({family.mlp_layout}{'; only its input kept under checkpointing' if keep_input_only else ''})")
     if experts_class is not None:
         put(experts_class, "forward", make_experts_forward(experts_class.forward), "swiglu",
             f"{experts_class.__name__} (eager loop)")
         put(experts_class, "_apply_gate", tigon_apply_gate, "swiglu", f"{experts_class.__name__}._apply_gate")
-    if rope_fn is not None and getattr(rope_fn, "_tigon", None) is None:
-        _set(mod, family.rope, tigon_apply_rotary_pos_emb)
-        report.replaced.append(("rope", f"{mod.__name__}.{family.rope}", "module-wide"))
-    elif rope_fn is not None:
-        report.replaced.append(("rope", f"{mod.__name__}.{family.rope}", "already"))
+    if rope_fn is not None:
+        _patch_rope(mod, family, rope_fn, model, report)
     if lm_class is not None:
-        mode = "flce" if fused_linear_cross_entropy else "cross_entropy"
+        mode = "flce" if opts.fused_linear_cross_entropy else "cross_entropy"
         original = lm_class.forward
         original = getattr(original, "_tigon_original", original)
         fwd = make_causal_lm_forward(original, softcap_attr=family.logit_softcap, divisor_attr=family.logit_divisor,
-                                     mode=mode, chunk_budget=chunk_budget)
+                                     mode=mode, chunk_budget=opts.chunk_budget)
         fwd._tigon_original = original
         put(lm_class, "forward", fwd, "loss", f"{lm_class.__name__} ({fwd._tigon})")
         _patch_packed_sequence_check(report)
@@ -221,9 +425,30 @@ def apply_family(family: Family, *, rope=True, rms_norm=True, swiglu=True, fused
     return report
 
 
+def _patch_rope(mod, family, rope_fn, model, report):
+    """Classes: the module's RoPE function becomes tigon's. A model: the function becomes a
+    dispatcher (once) and the model's attention modules turn tigon's RoPE on for their call."""
+    where = f"{mod.__name__}.{family.rope}"
+    if model is None:
+        if rope_fn is not tigon_apply_rotary_pos_emb:
+            _set_shared(mod, family.rope, tigon_apply_rotary_pos_emb, report.undo)
+        report.replaced.append(("rope", where, "module-wide"))
+        return
+    attention = [m for m in model.modules()
+                 if type(m).__module__ == mod.__name__ and _calls_function(type(m), family.rope)]
+    if not attention:
+        report.skipped.append(("rope", f"no module of this model calls {where}"))
+        return
+    if getattr(rope_fn, "_tigon", None) is None:  # HF's own function: put the dispatcher in front of it
+        _set_shared(mod, family.rope, make_rope_dispatcher(rope_fn), report.undo)
+    for inst in attention:
+        _set_instance(inst, "forward", make_rope_scope(_forward_before_tigon(inst)), report.undo)
+    report.replaced.append(("rope", f"{where} in {type(attention[0]).__name__}", str(len(attention))))
+
+
 def _patch_packed_sequence_check(report):
-    """Module-wide, like RoPE: HF's packed-sequence check answers without a host sync during
-    patched causal-LM forwards on generated positions (see make_find_packed_sequence_indices)."""
+    """Module-wide, but only active during patched causal-LM forwards on positions HF generates
+    itself (see make_find_packed_sequence_indices): HF's check without a host sync."""
     try:
         masking_utils = importlib.import_module("transformers.masking_utils")
     except ImportError:
@@ -232,9 +457,9 @@ def _patch_packed_sequence_check(report):
     if fn is None:
         return  # a transformers without the check: nothing to skip
     if getattr(fn, "_tigon", None) is None:
-        _set(masking_utils, "find_packed_sequence_indices", make_find_packed_sequence_indices(fn))
+        _set_shared(masking_utils, "find_packed_sequence_indices", make_find_packed_sequence_indices(fn), report.undo)
     report.replaced.append(("packed_check", "transformers.masking_utils.find_packed_sequence_indices",
-                            "module-wide"))
+                            "inside patched forwards"))
 
 
 # ---- tigon.patch(model): by model_type, else by structure ----
@@ -273,45 +498,57 @@ def _identify_rms_norm(module) -> tuple[str, float] | None:
     return None
 
 
-def _patch_by_structure(model, report, rms_norm=True, swiglu=True):
+def _mlp_matches_formula(m) -> bool:
+    """m(x) == down(act(gate(x) * g) * up(x)) * d, with its multipliers (Falcon-H1) or 1."""
+    try:
+        w = m.gate_proj.weight
+        x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
+        gate_multiplier, down_multiplier = mlp_multipliers(m)
+        with torch.no_grad():
+            ref = m.down_proj(m.act_fn(m.gate_proj(x) * gate_multiplier) * m.up_proj(x)) * down_multiplier
+            return torch.allclose(m(x).float(), ref.float(), rtol=1e-3, atol=1e-4)
+    except Exception:  # likewise
+        return False
+
+
+def _patch_by_structure(model, opts: PatchOptions, report):
     seen_rms, seen_mlp = {}, {}
     for m in model.modules():
-        name = type(m).__name__
-        if rms_norm and "RMSNorm" in name:
-            key = (type(m), str(m.weight.dtype) if hasattr(m, "weight") else "")
+        cls = type(m)
+        name = cls.__name__
+        if opts.rms_norm and "RMSNorm" in name:
+            if not single_input_forward(cls):
+                report.skipped.append(("rms_norm", f"{name}: forward{inspect.signature(cls.forward)} takes more "
+                                                   "than the hidden states (a gated norm)"))
+                continue
+            key = (cls, str(m.weight.dtype) if hasattr(m, "weight") else "")
             if key not in seen_rms:
                 seen_rms[key] = _identify_rms_norm(m)
             found = seen_rms[key]
             if found is None:
                 report.skipped.append(("rms_norm", f"{name}: its forward matched no known RMSNorm formula"))
                 continue
-            _set(m, "forward", types.MethodType(make_rms_norm_forward(*found), m))
+            _set_instance(m, "forward", make_rms_norm_forward(*found), report.undo)
             report.replaced.append(("rms_norm", f"{name} (casting={found[0]}, offset={found[1]:g})", "1"))
-        elif swiglu and all(isinstance(getattr(m, a, None), nn.Linear) for a in ("gate_proj", "up_proj", "down_proj")):
-            act = getattr(m, "act_fn", None)
+        elif opts.swiglu and all(isinstance(getattr(m, a, None), nn.Linear) for a in ("gate_proj", "up_proj",
+                                                                                       "down_proj")):
+            act = activation_module(m)
             if identify_activation(act) is None:
                 report.skipped.append(("swiglu", f"{name}: activation {act!r} not fused by tigon"))
                 continue
-            if type(m) not in seen_mlp:
-                seen_mlp[type(m)] = _mlp_matches_formula(m)
-            if not seen_mlp[type(m)]:
+            if not single_input_forward(cls):
+                report.skipped.append(("swiglu", f"{name}: forward{inspect.signature(cls.forward)} takes more "
+                                                 "than the hidden states"))
+                continue
+            if cls not in seen_mlp:
+                seen_mlp[cls] = _mlp_matches_formula(m)
+            if not seen_mlp[cls]:
                 report.skipped.append(("swiglu", f"{name}: forward is not down(act(gate(x)) * up(x))"))
                 continue
-            _set(m, "forward", types.MethodType(make_mlp_forward("gate_up_down"), m))
+            _set_instance(m, "forward", make_mlp_forward("gate_up_down"), report.undo)
             report.replaced.append(("swiglu", f"{name} (gate_up_down)", "1"))
     report.replaced = _merge_counts(report.replaced)
     report.skipped = sorted(set(report.skipped))
-
-
-def _mlp_matches_formula(m) -> bool:
-    try:
-        w = m.gate_proj.weight
-        x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
-        with torch.no_grad():
-            ref = m.down_proj(m.act_fn(m.gate_proj(x)) * m.up_proj(x))
-            return torch.allclose(m(x).float(), ref.float(), rtol=1e-3, atol=1e-4)
-    except Exception:  # likewise
-        return False
 
 
 def _merge_counts(items):
@@ -321,44 +558,51 @@ def _merge_counts(items):
     return [(piece, what, str(n)) for (piece, what), n in counts.items()]
 
 
-def patch(model: nn.Module, *, rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True,
-          cross_entropy=False, chunk_budget: int | None = None) -> PatchReport:
-    """Patch a built HF model in place. Known families (by ``config.model_type``) get their
-    row of the family table; others get what tigon recognises by structure (RMSNorm-like
-    modules whose output matches a known formula, gate/up/down MLPs with a fused activation)."""
+def patch(model: nn.Module, options: PatchOptions | None = None, **kwargs) -> PatchReport:
+    """Patch a built HF model in place (this model only; weights kept) and return a PatchReport.
+    Known families (by ``config.model_type``) get their row of the family table; others get
+    what tigon recognises by structure (RMSNorm-like modules whose output matches a known
+    formula, gate/up/down MLPs with a fused activation). Options: a PatchOptions and/or its
+    fields as keywords (rope, rms_norm, swiglu, fused_linear_cross_entropy, cross_entropy,
+    chunk_budget). Warns when nothing was patched."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module (a built model), got {type(model).__name__}; "
+                        "to patch a family's classes use tigon.patch_<family>()")
+    opts = patch_options(options, **kwargs)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     family = BY_MODEL_TYPE.get(model_type)
     if family is not None:
-        return apply_family(family, rope=rope, rms_norm=rms_norm, swiglu=swiglu,
-                            fused_linear_cross_entropy=fused_linear_cross_entropy, cross_entropy=cross_entropy,
-                            model=model, chunk_budget=chunk_budget)
-    report = PatchReport(f"unknown model_type {model_type!r}, by structure", type(model).__name__)
-    _patch_by_structure(model, report, rms_norm, swiglu)
-    if rope:
-        report.skipped.append(("rope", "only patched for the families in tigon.FAMILIES"))
-    if fused_linear_cross_entropy or cross_entropy:
-        report.skipped.append(("loss", "only patched for the families in tigon.FAMILIES"))
-    log.info("%s", report)
+        report = apply_family(family, opts, model)
+    else:
+        report = PatchReport(f"unknown model_type {model_type!r}, by structure", type(model).__name__)
+        _patch_by_structure(model, opts, report)
+        if opts.rope:
+            report.skipped.append(("rope", "only patched for the families in tigon.FAMILIES"))
+        if opts.loss:
+            report.skipped.append(("loss", "only patched for the families in tigon.FAMILIES"))
+        log.info("%s", report)
+    if not report.replaced:
+        warnings.warn(f"tigon.patch found nothing to patch in {type(model).__name__}:\n{report}", stacklevel=2)
     return report
 
 
-def _make_family_patcher(family: Family):
-    def patch_family(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True, cross_entropy=False,
-                     model=None, chunk_budget=None) -> PatchReport:
-        return apply_family(family, rope=rope, rms_norm=rms_norm, swiglu=swiglu,
-                            fused_linear_cross_entropy=fused_linear_cross_entropy, cross_entropy=cross_entropy,
-                            model=model, chunk_budget=chunk_budget)
+def family_patcher(name: str):
+    """``patch_<name>(model=None, options=None, **options)``: the classes of the family before a
+    model is built (model None), or the modules of an already-built ``model`` in place."""
+    family = FAMILIES[name]
 
-    patch_family.__name__ = f"patch_{family.name}"
+    def patch_family(model: nn.Module | None = None, options: PatchOptions | None = None, **kwargs) -> PatchReport:
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(f"patch_{name}'s first argument is the model to patch (or None for the classes), got "
+                            f"{type(model).__name__}; options are keyword-only")
+        return apply_family(family, patch_options(options, **kwargs), model)
+
+    patch_family.__name__ = patch_family.__qualname__ = f"patch_{name}"
     patch_family.__doc__ = (
-        f"Patch {family.name} ({', '.join(family.model_types)}): the classes in {family.module} before a model is "
-        "built, or the modules of an already-built ``model`` in place (weights kept). Returns a PatchReport.\n\n"
-        "rope: HF's apply_rotary_pos_emb (module-wide); rms_norm: every RMSNorm; swiglu: the gated MLP "
-        "activation (and MoE experts); fused_linear_cross_entropy: the training loss without the logits; "
-        "cross_entropy: the loss with tigon's cross entropy over materialised logits (instead of FLCE); "
-        "chunk_budget: bytes of logits an FLCE chunk may hold (default 512 MiB; less memory, a little slower)."
+        f"Patch {name} ({', '.join(family.model_types)}): the classes in {family.module} before a model is "
+        "built (model None: every model of the family in this process), or the modules of an already-built "
+        "``model`` in place (that model only; weights kept). Options are keyword-only (rope, rms_norm, swiglu, "
+        "fused_linear_cross_entropy, cross_entropy, chunk_budget: see tigon.PatchOptions) or "
+        "options=PatchOptions(...). Returns a PatchReport."
     )
     return patch_family
-
-
-PATCHERS = {f"patch_{name}": _make_family_patcher(family) for name, family in FAMILIES.items()}

@@ -1,0 +1,209 @@
+"""Every place tigon reaches into torch's or Triton's private internals, and its switch.
+
+Each reach has a measured reason and a fallback to public behaviour when the internals move or
+when ``TIGON_PRIVATE_APIS=0`` is set (before tigon is imported):
+
+- ``launch``: calls Triton's compiled kernel directly after the first launch of a
+  specialization (~9 us instead of ~30 us of host time a launch on an H100 host; a
+  checkpointed Llama-1B step launches ~300 kernels). Off: every launch goes through Triton's
+  ``kernel[grid](...)``. Also off with ``TIGON_FAST_LAUNCH=0``, under the interpreter and while
+  Triton launch hooks (profilers) are set.
+- ``under_checkpoint`` / ``checkpoint_recompute_stops_after``: read torch.utils.checkpoint's
+  saved-tensor hooks, so the gated MLP keeps only its input under checkpointing and skips its
+  matmuls in the recomputation (Llama-1B: half of HF's peak memory). Off: never under
+  checkpoint (the MLP keeps gate and up, as outside checkpointing).
+- ``graph_retained``: asks autograd whether the running backward keeps the graph, so a
+  gradient formed in the forward pass is scaled in place (no copy) when it is not. Off: always
+  "retained" (a fresh scaled copy every backward: exact, one more [N, V] or [V, H] buffer).
+- ``engine_will_run``: whether autograd will run a node in this backward (the tied-embedding
+  gradient slot). Off: never (the head and the embedding each return their own gradient).
+- ``triton_imported_before_interpreter``: recognises Triton's library as compiled code when
+  TRITON_INTERPRET=1 came too late, for a clear error (no effect on results).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+
+import torch
+import triton
+
+from tigon.ops._common import interpreter_enabled
+
+PRIVATE_APIS = os.environ.get("TIGON_PRIVATE_APIS", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def triton_imported_before_interpreter() -> bool:
+    """TRITON_INTERPRET=1 was set after triton was first imported (transformers imports it):
+    tigon's kernels are then interpreted but Triton's own library (tl.sigmoid, ...) is compiled
+    code, and the first kernel fails deep inside the interpreter."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        import triton.language as tl
+
+        return not isinstance(tl.standard.sigmoid, InterpretedFunction)
+    except Exception:  # Triton's layout moved: assume it is consistent
+        return False
+
+
+# ---- kernel launches ----
+#
+# Triton's ``kernel[grid](...)`` binds and specializes every argument and looks its compiled
+# kernel up on each call: ~30 us of host time per launch on an H100 machine's host, against
+# ~9 us for calling the compiled kernel itself (benchmarks/tuning/host_overhead.py). A checkpointed
+# Llama-1B training step launches ~300 of tigon's kernels. ``launch`` keeps the compiled kernel
+# per (kernel, device, argument specialization, constexprs) and calls it directly after the first
+# launch, which goes through Triton (and compiles). The key is at least as fine as Triton's own
+# specialization: tensors by dtype and 16-byte alignment, ints by ==1, %16 and 32-bit range.
+# Off under the interpreter, with launch hooks set (profilers), or with TIGON_FAST_LAUNCH=0.
+
+_FAST_LAUNCH = PRIVATE_APIS and os.environ.get("TIGON_FAST_LAUNCH", "1") == "1" and not interpreter_enabled()
+_LAUNCHES: dict = {}
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda device: torch.cuda.current_stream(device).cuda_stream)
+
+
+class _Uncached(Exception):
+    pass
+
+
+def _arg_spec(a):
+    kind = type(a)
+    if kind is int:
+        return a == 1, a % 16 == 0, -(2**31) <= a < 2**31, a >= 2**63
+    if kind is float:
+        return float
+    if a is None:
+        return None
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if kind is bool:
+        return bool, a
+    raise _Uncached
+
+
+_PLAIN_OPTIONS = (int, bool, float, str, type(None))
+
+
+def _options_key(options):
+    items = tuple(options.items())
+    for _, value in items:
+        if type(value) not in _PLAIN_OPTIONS:  # a runtime argument by keyword: not cached
+            raise _Uncached
+    return items
+
+
+def _hook_set(hook) -> bool:
+    # Triton >= 3.5 keeps hooks in a HookChain (set when its list of calls is not empty).
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _launch_hooks_set() -> bool:
+    """Launch hooks (profilers) are set, or this Triton keeps them elsewhere: launch through it."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "launch_enter_hook"):
+        return True
+    return _hook_set(runtime.launch_enter_hook) or _hook_set(getattr(runtime, "launch_exit_hook", None))
+
+
+def fast_launch_enabled() -> bool:
+    return _FAST_LAUNCH
+
+
+def set_fast_launch(enabled: bool) -> None:
+    """Turn the cached launch path on or off (off: every launch goes through Triton's own)."""
+    global _FAST_LAUNCH
+    _FAST_LAUNCH = bool(enabled) and not interpreter_enabled()
+
+
+def launch(kernel, grid, *args, **options) -> None:
+    """``kernel[grid](*args, **options)``: runtime arguments positional (in the kernel's order),
+    constexprs and num_warps / num_stages by keyword."""
+    if not _FAST_LAUNCH or _launch_hooks_set():
+        kernel[grid](*args, **options)
+        return
+    device = torch.cuda.current_device()
+    try:
+        key = (kernel, device, tuple(map(_arg_spec, args)), _options_key(options))
+        entry = _LAUNCHES.get(key)
+    except _Uncached:  # an argument kind Triton specializes otherwise
+        kernel[grid](*args, **options)
+        return
+    if entry is None:
+        compiled = kernel[grid](*args, **options)  # compiles if needed, and launches
+        if compiled is None:
+            return
+        params = list(inspect.signature(kernel.fn).parameters.values())[len(args):]
+        tail = tuple(options[p.name] if p.name in options else p.default for p in params)
+        _LAUNCHES[key] = (compiled.run, compiled.function, compiled.packed_metadata, tail)
+        return
+    run, function, metadata, tail = entry
+    n = len(grid)
+    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _current_raw_stream(device),
+        function, metadata, None, None, None, *args, *tail)
+
+
+def graph_retained() -> bool:
+    """True when the running backward keeps the graph (``retain_graph=True`` or
+    ``create_graph=True``), or when torch cannot say: a Function whose gradient was formed in
+    the forward pass must then return a fresh tensor and leave its saved buffer as it is, since
+    that buffer will be read again. When the graph is freed after this backward, the buffer can
+    be scaled in place and handed to autograd (which may adopt it as ``.grad``) at no cost."""
+    probe = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    if probe is None or not PRIVATE_APIS:
+        return True
+    try:
+        return bool(probe())
+    except RuntimeError:  # not inside a backward (a direct call): assume the worst
+        return True
+
+
+def _checkpoint_pack_hook():
+    """The pack hook of the innermost torch.utils.checkpoint (non-reentrant) region we are in,
+    unwrapped, or None."""
+    if not PRIVATE_APIS:
+        return None
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is None:
+        return None
+    pack = inspect.unwrap(hooks[0])
+    name = getattr(pack, "__qualname__", "")
+    return pack if ("_checkpoint_hook" in name or "_recomputation_hook" in name) else None
+
+
+def under_checkpoint() -> bool:
+    """True inside a non-reentrant torch.utils.checkpoint region (its forward or its
+    recomputation), where what a Function saves is dropped and recomputed later."""
+    try:
+        return _checkpoint_pack_hook() is not None
+    except Exception:  # checkpoint's internals moved: behave as outside
+        return False
+
+
+def checkpoint_recompute_stops_after(n_saved: int) -> bool:
+    """True when this is checkpoint's recomputation and it stops (its early stop) as soon as the
+    next ``n_saved`` tensors are saved: then the caller's output is never read, only what it
+    saves. Reads checkpoint's private state; anything unexpected gives False (compute as usual)."""
+    try:
+        pack = _checkpoint_pack_hook()
+        if pack is None or "_recomputation_hook" not in pack.__qualname__:
+            return False
+        cells = dict(zip(pack.__code__.co_freevars, (c.cell_contents for c in pack.__closure__)))
+        frame, gid = cells["target_frame_ref"](), cells["gid"]
+        return bool(frame.early_stop) and len(frame.weak_holders) - frame.recomp_counter[gid] == n_saved
+    except Exception:
+        return False
+
+
+def engine_will_run(node) -> bool:
+    """Whether the running backward will execute autograd node ``node`` (False outside the
+    engine, e.g. under a functorch transform, or with private APIs off)."""
+    if not PRIVATE_APIS:
+        return False
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return False
