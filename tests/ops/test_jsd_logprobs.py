@@ -130,6 +130,9 @@ def test_jsd_ignored_rows_are_not_read_and_all_ignored_gives_zero():
         assert torch.allclose(loss.double(), ref, rtol=1e-5), (loss, ref)
         assert torch.isfinite(g).all() and torch.equal(g[~keep], torch.zeros_like(g[~keep]))
         assert torch.allclose(g.double(), g_ref, rtol=1e-5, atol=1e-8)
+        strided = torch.stack((target, target + 1), -1)[..., 0]  # the same labels, read with a stride
+        assert not strided.is_contiguous() and torch.equal(TF.jsd(x, y, strided, beta=beta, ignore_index=ignore_index),
+                                                           loss)
         everything = torch.full_like(target, ignore_index)
         loss = TF.jsd(x, y, everything, beta=beta, ignore_index=ignore_index)
         (g,) = torch.autograd.grad(loss, x)

@@ -311,7 +311,7 @@ class JSDFunction(torch.autograd.Function):
             raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
         check_same_device(student_logprobs=student, teacher_logprobs=teacher, target=target)
         student2, teacher2 = as_rows(student), as_rows(teacher)
-        labels = None if target is None else target.reshape(-1)
+        labels = None if target is None else target.reshape(-1).contiguous()  # read by row index
         n_rows = student2.shape[0]
         if labels is None:
             scale = torch.full((1,), 1.0 / max(n_rows, 1), dtype=torch.float32, device=student.device)
