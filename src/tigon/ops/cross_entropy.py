@@ -329,7 +329,8 @@ class CrossEntropyOptions:
 
 def check_cross_entropy_options(target, n_rows, n_classes, opts: CrossEntropyOptions):
     """Checks shared by cross entropy and the fused linear version, for logits [n_rows, n_classes]
-    and target [n_rows]."""
+    and target [n_rows]. Returns (target, opts) as the kernel reads them: the target and the
+    class weights by index, so contiguous (a strided or expanded one is copied)."""
     check_tensor("target", target, ndim=1, floating=False)
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"target must be int64 or int32 class indices, got {target.dtype}")
@@ -358,6 +359,9 @@ def check_cross_entropy_options(target, n_rows, n_classes, opts: CrossEntropyOpt
             first = target[bad][0].item()
             raise ValueError(f"target holds {first}, outside [0, {n_classes}) and not ignore_index={ignore_index} "
                              "(set TIGON_CHECK_LABELS=0 to skip this check, which syncs with the GPU)")
+    if opts.weight is not None and not opts.weight.is_contiguous():
+        opts = replace(opts, weight=opts.weight.contiguous())
+    return target.contiguous(), opts
 
 
 def cross_entropy_norms(target, opts: CrossEntropyOptions):
@@ -450,11 +454,8 @@ class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, opts: CrossEntropyOptions, inplace=False, grad_enabled=True):
         check_tensor("logits", logits, ndim=2)
-        check_cross_entropy_options(target, logits.shape[0], logits.shape[1], opts)
+        target, opts = check_cross_entropy_options(target, logits.shape[0], logits.shape[1], opts)
         check_same_device(logits=logits, target=target, weight=opts.weight)
-        target = target.contiguous()
-        if opts.weight is not None and not opts.weight.is_contiguous():
-            opts = replace(opts, weight=opts.weight.contiguous())
         logits2 = logits if logits.stride(-1) == 1 else logits.contiguous()
         # forward runs with grad mode off: the caller's mode arrives as grad_enabled.
         needs_grad = ctx.needs_input_grad[0] and grad_enabled

@@ -18,8 +18,6 @@ V * H * 4 bytes.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from tigon.ops._common import (
@@ -54,11 +52,11 @@ def chunk_rows_for_budget(n_rows: int, vocab: int, element_size: int, budget_byt
     return min(fit, cdiv(rows, 64) * 64) if fit >= 64 else rows
 
 
-def _cat(parts, dtype, device):
-    """Per-chunk row outputs joined; None when not computed; empty when there were no rows."""
-    if not parts:
-        return torch.empty(0, dtype=dtype, device=device)
-    return torch.cat(parts) if parts[0] is not None else None
+def _rows(parts, computed, dtype, device):
+    """Per-chunk row outputs joined (empty when there were no rows), or None when not computed."""
+    if not computed:
+        return None
+    return torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
 
 
 def flce_chunks(x2, w, bias, target, norms, opts: CrossEntropyOptions, *, need_dx, need_dw, need_db, accum_dtype,
@@ -103,10 +101,9 @@ def flce_chunks(x2, w, bias, target, norms, opts: CrossEntropyOptions, *, need_d
             accumulate_mm(dw, logits.t(), xc, first=start == 0)
         if need_db:
             db += logits.sum(0, dtype=torch.float32)
-    z_parts = z_parts if opts.lse_square_scale else [None]
-    predicted_parts = predicted_parts if opts.compute_argmax else [None]
-    return (_cat(loss_parts, torch.float32, device), _cat(z_parts, torch.float32, device),
-            _cat(predicted_parts, torch.int64, device), dx, dw, db)
+    return (_rows(loss_parts, True, torch.float32, device),
+            _rows(z_parts, bool(opts.lse_square_scale), torch.float32, device),
+            _rows(predicted_parts, opts.compute_argmax, torch.int64, device), dx, dw, db)
 
 
 def check_flce_args(x, weight, target, bias):
@@ -137,11 +134,8 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        target = target.reshape(-1).contiguous()
-        check_cross_entropy_options(target, x2.shape[0], weight.shape[0], opts)
+        target, opts = check_cross_entropy_options(target.reshape(-1), x2.shape[0], weight.shape[0], opts)
         check_same_device(x=x, ce_weight=opts.weight)
-        if opts.weight is not None and not opts.weight.is_contiguous():
-            opts = replace(opts, weight=opts.weight.contiguous())
         if accum_dtype not in (None, torch.float32):
             raise ValueError(f"accum_dtype must be None (weight's dtype) or torch.float32, got {accum_dtype!r}")
         norms = cross_entropy_norms(target, opts)

@@ -142,14 +142,14 @@ def check_activation(activation, **multipliers):
             raise TypeError(f"{name} must be a number, got {value!r}")
 
 
-def check_glu_args(a, b, activation, gate_multiplier=1.0, out_multiplier=1.0):
+def check_glu_args(a, b, activation, **multipliers):
     check_tensor("a", a, min_ndim=1)
     check_tensor("b", b, min_ndim=1)
     if a.shape != b.shape:
         raise ValueError(f"a has shape {tuple(a.shape)} but b has shape {tuple(b.shape)}")
     check_same_dtype(a=a, b=b)
     check_same_device(a=a, b=b)
-    check_activation(activation, gate_multiplier=gate_multiplier, out_multiplier=out_multiplier)
+    check_activation(activation, **multipliers)
 
 
 def glu_forward(a2, b2, activation, out=None, gate_multiplier=1.0, out_multiplier=1.0):
@@ -186,7 +186,7 @@ class GLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, b, activation="silu", gate_multiplier=1.0, out_multiplier=1.0):
-        check_glu_args(a, b, activation, gate_multiplier, out_multiplier)
+        check_glu_args(a, b, activation, gate_multiplier=gate_multiplier, out_multiplier=out_multiplier)
         a2, b2 = as_rows(a), as_rows(b)
         c = glu_forward(a2, b2, activation, gate_multiplier=gate_multiplier, out_multiplier=out_multiplier)
         ctx.save_for_backward(a2, b2)

@@ -145,7 +145,7 @@ class GLUDownProjFunction(torch.autograd.Function):
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, a, b, down_weight, down_bias=None, activation="silu", inplace=False, gate_multiplier=1.0,
                 down_multiplier=1.0, slice_columns=None):
-        check_glu_args(a, b, activation)
+        check_glu_args(a, b, activation, gate_multiplier=gate_multiplier, down_multiplier=down_multiplier)
         check_tensor("down_weight", down_weight, ndim=2)
         if down_weight.shape[1] != a.shape[-1]:
             raise ValueError(
@@ -158,7 +158,6 @@ class GLUDownProjFunction(torch.autograd.Function):
                     f"down_bias has shape {tuple(down_bias.shape)} but down_weight has {down_weight.shape[0]} rows"
                 )
         check_same_device(a=a, down_weight=down_weight, down_bias=down_bias)
-        check_activation(activation, gate_multiplier=gate_multiplier, down_multiplier=down_multiplier)
         a2, b2 = as_rows(a), as_rows(b)
         multipliers = (float(gate_multiplier), float(down_multiplier))
         out = glu_down_forward(a2, b2, down_weight, down_bias, activation, multipliers)

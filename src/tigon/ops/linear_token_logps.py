@@ -85,8 +85,7 @@ class LinearTokenLogpsFunction(torch.autograd.Function):
         if x.ndim != 2 or target.ndim != 1:
             raise ValueError(f"x must be [N, H] and target [N], got {tuple(x.shape)} and {tuple(target.shape)}")
         opts = CrossEntropyOptions(ignore_index=ignore_index, reduction="none")
-        check_cross_entropy_options(target, x.shape[0], weight.shape[0], opts)
-        target = target.contiguous()
+        target, opts = check_cross_entropy_options(target, x.shape[0], weight.shape[0], opts)
         logits = linear_head_logits(x, weight, bias)
         norms = cross_entropy_norms(target, opts)
         grad = logits if compute_grad else None

@@ -211,12 +211,8 @@ def make_rope_dispatcher(original):
 def make_rope_scope(forward):
     """An attention module's forward that runs ``forward`` with tigon's RoPE on (see above)."""
     def scoped_forward(self, *args, **kwargs):
-        before = getattr(_ROPE_SCOPE, "on", False)
-        _ROPE_SCOPE.on = True
-        try:
+        with thread_flag(_ROPE_SCOPE):
             return forward(self, *args, **kwargs)
-        finally:
-            _ROPE_SCOPE.on = before
 
     scoped_forward._tigon = "attention with tigon's RoPE"
     return scoped_forward

@@ -45,6 +45,7 @@ from tigon.patching.forwards import (
     make_rms_norm_forward,
     make_rope_dispatcher,
     make_rope_scope,
+    mlp_activation,
     mlp_multipliers,
     norm_eps,
     tigon_apply_gate,
@@ -384,9 +385,7 @@ def apply_family(family: Family, options: PatchOptions | None = None, model: nn.
     if model is not None:
         for cls in mlp_classes:
             for inst in _instances(model, cls):
-                if identify_activation(activation_module(inst)) is None:
-                    raise TigonPatchError(f"{family.name}: {cls.__name__} uses activation {activation_module(inst)!r}, "
-                                          "which tigon does not fuse (SiLU, GELU tanh, GELU erf); pass swiglu=False")
+                mlp_activation(inst)  # raises TigonPatchError for an activation tigon does not fuse
 
     def put(owner_cls, name, fn, piece, what):
         if model is None:
