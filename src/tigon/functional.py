@@ -9,7 +9,6 @@ import torch
 from tigon.ops import (
     CrossEntropyFunction,
     EmbeddingFunction,
-    FusedAddRMSNormFunction,
     FusedLinearCrossEntropyFunction,
     GLUDownProjFunction,
     GLUFunction,
@@ -18,11 +17,13 @@ from tigon.ops import (
     LayerNormFunction,
     LinearJSDFunction,
     LinearTokenLogpsFunction,
-    RMSNormFunction,
     RoPEFunction,
+    fused_add_rms_norm_op,
+    rms_norm_op,
 )
 from tigon.ops.cross_entropy import CrossEntropyOptions
 from tigon.ops.glu import GELU_APPROXIMATIONS, activation_name
+from tigon.ops.rms_norm import check_casting
 
 def rms_norm(x, weight, eps=1e-6, offset=0.0, casting="llama", inplace=False) -> torch.Tensor:
     """RMSNorm of x [..., N] with weight [N] or None (no scaling); casting "llama", "gemma" or
@@ -32,13 +33,16 @@ def rms_norm(x, weight, eps=1e-6, offset=0.0, casting="llama", inplace=False) ->
     backward write dx over the incoming gradient (saves one buffer; the gradient must not be
     needed elsewhere).
     """
-    return RMSNormFunction.apply(x, weight, eps, offset, casting, inplace)
+    check_casting(casting)  # before the op: its schema would refuse a non-str with a vaguer error
+    return rms_norm_op(x, weight, float(eps), float(offset), casting, bool(inplace))[0]
 
 
 def fused_add_rms_norm(x, residual, weight, eps=1e-6, offset=0.0, casting="llama", inplace=False):
     """(rms_norm(x + residual), x + residual) in one pass; x, residual [..., N], weight [N] or
     None. ``inplace`` as in ``rms_norm``."""
-    return FusedAddRMSNormFunction.apply(x, residual, weight, eps, offset, casting, inplace)
+    check_casting(casting)
+    y, s, _ = fused_add_rms_norm_op(x, residual, weight, float(eps), float(offset), casting, bool(inplace))
+    return y, s
 
 
 def layer_norm(x, weight, bias, eps=1e-5) -> torch.Tensor:

@@ -1,21 +1,20 @@
-"""One file per op: its Triton kernels, then one torch.autograd.Function."""
+"""One file per op: its Triton kernels, its custom ops (``torch.ops.tigon.*``) and their autograd."""
 
 from tigon.ops.cross_entropy import CrossEntropyFunction
 from tigon.ops.embedding import EmbeddingFunction, TiedGradSlot
-from tigon.ops.fused_add_rms_norm import FusedAddRMSNormFunction
+from tigon.ops.fused_add_rms_norm import fused_add_rms_norm_op
 from tigon.ops.fused_linear_cross_entropy import FusedLinearCrossEntropyFunction
 from tigon.ops.glu import GLUFunction
 from tigon.ops.glu_mlp import GLUDownProjFunction, GLUMLPFunction
 from tigon.ops.jsd import JSDFunction, LinearJSDFunction
 from tigon.ops.layer_norm import LayerNormFunction
 from tigon.ops.linear_token_logps import LinearTokenLogpsFunction
-from tigon.ops.rms_norm import RMSNormFunction
+from tigon.ops.rms_norm import rms_norm_op
 from tigon.ops.rope import RoPEFunction
 
 __all__ = [
     "CrossEntropyFunction",
     "EmbeddingFunction",
-    "FusedAddRMSNormFunction",
     "FusedLinearCrossEntropyFunction",
     "GLUDownProjFunction",
     "GLUFunction",
@@ -24,7 +23,8 @@ __all__ = [
     "LayerNormFunction",
     "LinearJSDFunction",
     "LinearTokenLogpsFunction",
-    "RMSNormFunction",
     "RoPEFunction",
     "TiedGradSlot",
+    "fused_add_rms_norm_op",
+    "rms_norm_op",
 ]

@@ -7,33 +7,48 @@ s to the norm's input gradient in the same kernel. Uses the RMSNorm kernels (cas
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+from torch import Tensor
 
 from tigon.ops._common import as_rows
-from tigon.ops.rms_norm import check_norm_args, rms_norm_backward, rms_norm_forward
+from tigon.ops.rms_norm import _rms_norm_out_dtype, check_norm_args, rms_norm_forward, rms_norm_gradients
 
 
-class FusedAddRMSNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, residual, weight, eps=1e-6, offset=0.0, casting="llama", inplace=False):
-        weight = check_norm_args(x, weight, casting, offset, residual=residual)
-        x2, r2 = as_rows(x), as_rows(residual)
-        y, rstd, s = rms_norm_forward(x2, weight, float(eps), float(offset), casting, residual2=r2)
-        ctx.save_for_backward(s, rstd)
-        ctx.weight = weight  # a parameter: kept, not saved (see the note in tigon.ops._common)
-        ctx.offset, ctx.casting, ctx.inplace = float(offset), casting, inplace
-        shape = x.shape
-        return y.view(*shape[:-1], y.shape[-1]), s.view(shape)
+@torch.library.custom_op("tigon::fused_add_rms_norm", mutates_args=())
+def fused_add_rms_norm_op(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, offset: float,
+                          casting: str, inplace: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, s = x + residual, rstd fp32 [rows]) for x, residual [..., N]."""
+    weight = check_norm_args(x, weight, casting, offset, residual=residual)
+    y, rstd, s = rms_norm_forward(as_rows(x), weight, eps, offset, casting, residual2=as_rows(residual))
+    return y.view(x.shape[:-1] + y.shape[-1:]), s.view(x.shape), rstd
 
-    @staticmethod
-    def backward(ctx, dy, ds):
-        s2, rstd = ctx.saved_tensors
-        dy2 = as_rows(dy)
-        ds2 = as_rows(ds) if ds is not None else None
-        dsum, dw = rms_norm_backward(
-            dy2, s2, ctx.weight, rstd, ctx.offset, ctx.casting,
-            compute_dw=ctx.needs_input_grad[2], inplace=ctx.inplace, ds2=ds2,
-        )
-        dsum = dsum.view(dy.shape[:-1] + (s2.shape[-1],))
-        # d(x + residual) reaches both summands unchanged; like torch's add, one tensor serves both.
-        return dsum, dsum, dw, None, None, None, None
+
+@fused_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps, offset, casting, inplace):
+    check_norm_args(x, weight, casting, offset, residual=residual)
+    return (x.new_empty(x.shape, dtype=_rms_norm_out_dtype(x, weight, casting)), x.new_empty(x.shape),
+            x.new_empty(x.shape[:-1].numel(), dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    _, _, weight, _, offset, casting, inplace = inputs
+    _, s, rstd = output
+    ctx.set_materialize_grads(False)  # ds is None when s is not used
+    ctx.save_for_backward(s, rstd)
+    ctx.mark_non_differentiable(rstd)
+    ctx.weight = weight  # a parameter: kept, not saved (see the note in tigon.ops._common)
+    ctx.offset, ctx.casting, ctx.inplace = offset, casting, inplace
+    ctx.needs_weight_grad = ctx.needs_input_grad[2]
+
+
+def _backward(ctx, dy, ds, _drstd):
+    s, rstd = ctx.saved_tensors
+    dsum, dw = rms_norm_gradients(ctx, dy, s, rstd, ds=ds)
+    # d(x + residual) reaches both summands unchanged; like torch's add, one tensor serves both.
+    return dsum, dsum, dw, None, None, None, None
+
+
+fused_add_rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
+

@@ -19,9 +19,12 @@ be 0. The kernels also serve the fused residual-add variant (``fused_add_rms_nor
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from tigon.ops._common import (
     as_rows,
@@ -210,23 +213,104 @@ def check_norm_args(x, weight, casting, offset, **others):
     return weight if weight is None or weight.is_contiguous() else weight.contiguous()
 
 
-class RMSNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps=1e-6, offset=0.0, casting="llama", inplace=False):
-        weight = check_norm_args(x, weight, casting, offset)
-        x2 = as_rows(x)
-        y, rstd, _ = rms_norm_forward(x2, weight, float(eps), float(offset), casting)
-        ctx.save_for_backward(x2, rstd)
-        ctx.weight = weight  # a parameter: kept, not saved (see the note in tigon.ops._common)
-        ctx.offset, ctx.casting, ctx.inplace = float(offset), casting, inplace
-        return y.view(*x.shape[:-1], y.shape[-1])
+# ---- custom ops: torch.ops.tigon.rms_norm and its backward ----
+#
+# Every op is a torch.library custom op (opaque to torch.compile: its fake implementation gives
+# the outputs' shapes, Inductor schedules it as one call), with autograd registered on it; the
+# eager path calls the same op. Outputs a caller may not need are returned as empty tensors
+# (custom ops cannot return None).
 
-    @staticmethod
-    def backward(ctx, dy):
-        x2, rstd = ctx.saved_tensors
-        dy2 = as_rows(dy)
-        dx, dw = rms_norm_backward(
-            dy2, x2, ctx.weight, rstd, ctx.offset, ctx.casting,
-            compute_dw=ctx.needs_input_grad[1], inplace=ctx.inplace,
-        )
-        return dx.view(dy.shape), dw, None, None, None, None
+
+def _rms_norm_out_dtype(x, weight, casting):
+    scaled = weight is not None and casting != "gemma"
+    return torch.promote_types(x.dtype, weight.dtype) if scaled else x.dtype
+
+
+@torch.library.custom_op("tigon::rms_norm", mutates_args=())
+def rms_norm_op(x: Tensor, weight: Optional[Tensor], eps: float, offset: float, casting: str,
+                inplace: bool) -> tuple[Tensor, Tensor]:
+    """(y [..., N], rstd fp32 [rows]) of x [..., N]. ``inplace``: the backward writes dx over dy."""
+    weight = check_norm_args(x, weight, casting, offset)
+    y, rstd, _ = rms_norm_forward(as_rows(x), weight, eps, offset, casting)
+    return y.view(x.shape[:-1] + y.shape[-1:]), rstd
+
+
+@rms_norm_op.register_fake
+def _(x, weight, eps, offset, casting, inplace):
+    check_norm_args(x, weight, casting, offset)
+    return x.new_empty(x.shape, dtype=_rms_norm_out_dtype(x, weight, casting)), \
+        x.new_empty(x.shape[:-1].numel(), dtype=torch.float32)
+
+
+@torch.library.custom_op("tigon::rms_norm_backward", mutates_args=())
+def rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, offset: float, casting: str,
+                         compute_dw: bool, ds: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """(dx like x, dw like weight or empty) for dy (and the residual stream's gradient ds, added
+    to dx) of x [..., N] normalised with ``rstd``."""
+    dx, dw = rms_norm_backward(as_rows(dy), as_rows(x), _kernel_weight(weight), rstd, offset, casting, compute_dw,
+                               ds2=None if ds is None else as_rows(ds))
+    return dx.view(x.shape), _or_empty(dw, x)
+
+
+@rms_norm_backward_op.register_fake
+def _(dy, x, weight, rstd, offset, casting, compute_dw, ds):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), _fake_dw(weight, compute_dw, x)
+
+
+@torch.library.custom_op("tigon::rms_norm_backward_", mutates_args=("dy",))
+def rms_norm_backward_inplace_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, offset: float,
+                                 casting: str, compute_dw: bool, ds: Optional[Tensor]) -> Tensor:
+    """rms_norm_backward with dx written over dy (contiguous, x's dtype); returns dw or empty."""
+    _, dw = rms_norm_backward(dy.view(-1, dy.shape[-1]), as_rows(x), _kernel_weight(weight), rstd, offset, casting,
+                              compute_dw, inplace=True, ds2=None if ds is None else as_rows(ds))
+    return _or_empty(dw, x)
+
+
+@rms_norm_backward_inplace_op.register_fake
+def _(dy, x, weight, rstd, offset, casting, compute_dw, ds):
+    return _fake_dw(weight, compute_dw, x)
+
+
+def _kernel_weight(weight):
+    return weight if weight is None or weight.is_contiguous() else weight.contiguous()
+
+
+def _or_empty(t, like):
+    return t if t is not None else like.new_empty(0)
+
+
+def _fake_dw(weight, compute_dw, x):
+    return weight.new_empty(weight.shape) if compute_dw and weight is not None else x.new_empty(0)
+
+
+def rms_norm_gradients(ctx, dy, x, rstd, ds=None):
+    """(dx, dw or None) of the norm saved in ctx (weight, offset, casting, inplace), for the
+    backward of rms_norm and of the fused residual-add variant (x is then the sum)."""
+    weight = ctx.weight
+    compute_dw = weight is not None and ctx.needs_weight_grad
+    if ctx.inplace and dy.dtype == x.dtype and dy.is_contiguous() and dy.shape == x.shape:
+        dw = rms_norm_backward_inplace_op(dy, x, weight, rstd, ctx.offset, ctx.casting, compute_dw, ds)
+        dx = dy
+    else:
+        dx, dw = rms_norm_backward_op(dy, x, weight, rstd, ctx.offset, ctx.casting, compute_dw, ds)
+    return dx, dw if compute_dw else None
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _, offset, casting, inplace = inputs
+    ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
+    ctx.save_for_backward(x, output[1])
+    ctx.mark_non_differentiable(output[1])
+    ctx.weight = weight  # a parameter: kept, not saved (see the note in tigon.ops._common)
+    ctx.offset, ctx.casting, ctx.inplace = offset, casting, inplace
+    ctx.needs_weight_grad = ctx.needs_input_grad[1]
+
+
+def _backward(ctx, dy, _drstd):
+    x, rstd = ctx.saved_tensors
+    dx, dw = rms_norm_gradients(ctx, dy, x, rstd)
+    return dx, dw, None, None, None, None
+
+
+rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
+
