@@ -114,29 +114,27 @@ def trace_step(model, opt, ids, top, stacks=False):
 
 
 class OpProbe:
-    """Memory at entry, peak inside and at exit of every forward / backward of an autograd
-    Function (monkeypatched for the profiled step)."""
+    """Memory at entry, peak inside and at exit of every call of a module-level function (an op
+    of tigon.ops, looked up by name at call time; monkeypatched for the profiled step)."""
 
-    def __init__(self, fn_cls):
+    def __init__(self, module, name, phase):
         self.rows = []
-        self.fn_cls = fn_cls
-        self.saved = (fn_cls.forward, fn_cls.backward)
-        for phase, original in (("forward", fn_cls.forward), ("backward", fn_cls.backward)):
-            setattr(fn_cls, phase, staticmethod(self._wrap(phase, original)))
+        self.module, self.name, self.saved = module, name, getattr(module, name)
+        setattr(module, name, self._wrap(phase, self.saved))
 
     def _wrap(self, phase, original):
-        def run(ctx, *args):
+        def run(*args):
             torch.cuda.synchronize()
             entry = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            out = original(ctx, *args)
+            out = original(*args)
             torch.cuda.synchronize()
             self.rows.append((phase, entry, torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()))
             return out
         return run
 
     def restore(self):
-        self.fn_cls.forward, self.fn_cls.backward = (staticmethod(f) for f in self.saved)
+        setattr(self.module, self.name, self.saved)
 
     def report(self, name, top):
         print(f"{name}: calls with the highest peaks (GiB: at entry, peak inside, at exit), in call order")
@@ -177,9 +175,11 @@ def main():
               f"{args.mlp_slice_mib or 'default'} MiB")
         trace_step(model, opt, ids, args.top)
         if args.impl == "tigon":
-            from tigon.ops import GLUDownProjFunction, GLUMLPFunction
+            from tigon.ops import glu_mlp
 
-            probes = {"GLUDownProjFunction": OpProbe(GLUDownProjFunction), "GLUMLPFunction": OpProbe(GLUMLPFunction)}
+            probes = {name: OpProbe(glu_mlp, name, phase) for name, phase in (
+                ("glu_down_op", "forward"), ("glu_down_backward_op", "backward"),
+                ("glu_mlp_op", "forward"), ("glu_mlp_backward_op", "backward"))}
             torch.cuda.reset_peak_memory_stats()
             model(input_ids=ids, labels=ids).loss.backward()
             opt.step()

@@ -2,7 +2,12 @@
 from the same weights and data: tokens/s, peak memory and losses. Run on a CUDA machine:
 ``PYTHONPATH=src python benchmarks/train_hf.py --shape llama-1b --batch 8 --seq 1024 --steps 20``;
 ``--batches 4 8 16 32`` sweeps the batch size (each implementation until it runs out of memory)
-and plots tokens/s and peak memory against it.
+and plots tokens/s and peak memory against it. An implementation followed by ``+compile``
+(``hf+compile``, ``tigon+compile``, ``liger+compile``) runs ``model.compile()`` (``--compile-mode``)
+with the batch dimension marked dynamic (one compilation for the whole sweep). ``--isolate`` runs
+each implementation in its own process, so that a crash (a peer's illegal memory access) ends
+only its own rows. ``--timed-tokens`` sets the timed steps per batch (at least 3) instead of
+``--steps``, so that large batches do not take much longer than small ones.
 
 bf16 weights, AdamW (fused by default), gradient checkpointing, random tokens (labels =
 inputs). Peak memory is torch.cuda.max_memory_allocated during the warm-up steps (weights,
@@ -43,13 +48,18 @@ def add_setup_args(parser, default_shape="llama-1b"):
     parser.add_argument("--shape", default=default_shape, choices=list(SHAPES))
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--impls", default="hf,tigon", help="comma-separated: hf, tigon, liger")
+    parser.add_argument("--impls", default="hf,tigon",
+                        help="comma-separated: hf, tigon, liger, each optionally with +compile (e.g. tigon+compile)")
+    parser.add_argument("--compile-mode", default="default",
+                        choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"])
     return parser
 
 
-def build_model(model_type, shape_kwargs, impl="hf", state=None, chunk_budget=None):
+def build_model(model_type, shape_kwargs, impl="hf", state=None, chunk_budget=None, compile_mode="default"):
     """The bf16 model on the GPU (weights from `state` when given), patched by `impl` ("hf":
-    not at all, "tigon", "liger"), with gradient checkpointing, in train mode: (model, report)."""
+    not at all, "tigon", "liger"; "+compile": then ``model.compile(mode=compile_mode)``), with
+    gradient checkpointing, in train mode: (model, report)."""
+    impl, _, compiled = impl.partition("+")
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import tigon
@@ -71,6 +81,11 @@ def build_model(model_type, shape_kwargs, impl="hf", state=None, chunk_budget=No
     model.gradient_checkpointing_enable()
     model.config.use_cache = False
     model.train()
+    if compiled:
+        if compiled != "compile":
+            raise ValueError(f"unknown implementation suffix +{compiled} (only +compile)")
+        model.compile(mode=None if compile_mode == "default" else compile_mode)
+        report = (report + "; " if report else "") + f"torch.compile (mode {compile_mode})"
     return model, report
 
 
@@ -95,17 +110,25 @@ def run(impl, model_type, shape_kwargs, state, args, batch):
     import tigon
 
     model, report = build_model(model_type, shape_kwargs, impl, state,
-                                args.chunk_mib * 2**20 if args.chunk_mib else None)
+                                args.chunk_mib * 2**20 if args.chunk_mib else None, args.compile_mode)
+    steps = args.steps if not args.timed_tokens else max(3, -(-args.timed_tokens // (batch * args.seq)))
     config = model.config
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=args.adamw == "fused",
                             foreach=args.adamw == "foreach")
     gen = torch.Generator(device="cuda").manual_seed(0)
     batches = [torch.randint(0, config.vocab_size, (batch, args.seq), device="cuda", generator=gen)
-               for _ in range(args.warmup + args.steps)]
+               for _ in range(args.warmup + steps)]
+    if impl.endswith("+compile"):  # one compilation for every batch size
+        for ids in batches:
+            torch._dynamo.mark_dynamic(ids, 0)
     torch.cuda.synchronize()
-    losses, start, peak_fb, peak_opt = [], None, 0, 0
+    losses, start, peak_fb, peak_opt, first_step_s = [], None, 0, 0, None
+    first_start = time.perf_counter()  # the first step's time includes torch.compile's
     for i, ids in enumerate(batches):
         timed = i >= args.warmup
+        if i == 1:
+            torch.cuda.synchronize()
+            first_step_s = time.perf_counter() - first_start
         if i == args.warmup:
             torch.cuda.synchronize()
             start = time.perf_counter()
@@ -123,7 +146,15 @@ def run(impl, model_type, shape_kwargs, state, args, batch):
         losses.append(loss.detach())
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    result = dict(impl=impl, batch=batch, tokens_per_s=batch * args.seq * args.steps / seconds, step_s=seconds / args.steps,
+    if impl.endswith("+compile"):  # what torch.compile made of the model (graph breaks: 0 is one graph)
+        from torch._dynamo.utils import counters
+
+        compiled = dict(graph_breaks=sum(counters["graph_break"].values()),
+                        graph_break_reasons=sorted(counters["graph_break"])[:5])
+    else:
+        compiled = {}
+    result = dict(impl=impl, batch=batch, tokens_per_s=batch * args.seq * steps / seconds, step_s=seconds / steps,
+                  steps=steps, first_step_s=first_step_s, **compiled,
                   peak_gib=max(peak_fb, peak_opt) / 2**30, peak_fwd_bwd_gib=peak_fb / 2**30,
                   peak_optimizer_gib=peak_opt / 2**30, losses=[float(x) for x in losses], report=report)
     del model, opt, batches
@@ -153,7 +184,7 @@ def run_or_oom(impl, model_type, shape_kwargs, state, args, batch):
                 setattr(modeling, name, value)
     gc.collect()
     torch.cuda.empty_cache()
-    if impl == "tigon":
+    if impl.startswith("tigon"):
         import tigon
 
         tigon.unpatch()
@@ -174,12 +205,15 @@ def plot_sweep(results, path, title):
         ok = [r for r in results if r["impl"] == impl and "error" not in r]
         if not ok:
             continue
+        base, _, compiled = impl.partition("+")
+        style = dict(color=colours.get(base), linestyle="--" if compiled else "-", marker="s" if compiled else "o",
+                     label=names.get(base, base) + (" + torch.compile" if compiled else ""))
         xs = [r["batch"] for r in ok]
-        ax_t.plot(xs, [r["tokens_per_s"] for r in ok], "o-", color=colours.get(impl), label=names.get(impl, impl))
-        ax_m.plot(xs, [r["peak_gib"] for r in ok], "o-", color=colours.get(impl), label=names.get(impl, impl))
+        ax_t.plot(xs, [r["tokens_per_s"] for r in ok], **style)
+        ax_m.plot(xs, [r["peak_gib"] for r in ok], **style)
         oom = [r["batch"] for r in results if r["impl"] == impl and r.get("error") == "out of memory"]
         if oom:
-            ax_m.axvline(min(oom), color=colours.get(impl), linestyle=":", linewidth=1)
+            ax_m.axvline(min(oom), color=colours.get(base), linestyle=":", linewidth=1)
     ax_t.set_ylabel("tokens / s (higher is better)")
     ax_m.set_ylabel("peak memory, GiB (lower is better)")
     for ax in (ax_t, ax_m):
@@ -197,6 +231,9 @@ def main():
     p = add_setup_args(argparse.ArgumentParser())
     p.add_argument("--batches", type=int, nargs="*", help="a batch-size sweep (each implementation until OOM)")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--timed-tokens", type=int, default=None,
+                   help="timed steps per batch = this many tokens / (batch x seq), at least 3 (instead of --steps)")
+    p.add_argument("--isolate", action="store_true", help="each implementation in its own process")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--adamw", default="fused", choices=["fused", "foreach", "for-loop"],
@@ -204,6 +241,10 @@ def main():
     p.add_argument("--chunk-mib", type=int, default=None, help="tigon's FLCE chunk budget (default 512 MiB)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.warmup < 2:
+        p.error("--warmup must be at least 2 (the first step compiles and allocates)")
+    if args.isolate and "," in args.impls:
+        return run_isolated(args)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, shape_kwargs = SHAPES[args.shape]
@@ -241,21 +282,72 @@ def main():
                       f"{100 * r['peak_gib'] / base['peak_gib']:.0f}% of the peak memory; first losses "
                       f"{base['losses'][0]:.4f} vs {r['losses'][0]:.4f}")
     save(args, n_params, results, final=True)
+    print_table(results)
 
 
-def save(args, n_params, results, final=False):
-    """The JSON after every run (a cut-off sweep keeps what it measured), and the plot at the end."""
+def run_isolated(args):
+    """Each implementation in a child process (same weights: the seed fixes them), results
+    merged in the order of --impls; a child that dies leaves a row saying so."""
+    import subprocess
+    import sys
+    import tempfile
+
+    results, n_params, device = [], None, None
+    for impl in args.impls.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            argv = [a for a in sys.argv[1:] if a != "--isolate"]
+            i = argv.index("--impls")
+            argv[i + 1] = impl
+            if "--out" in argv:
+                j = argv.index("--out")
+                argv[j + 1] = tmp
+            else:
+                argv += ["--out", tmp]
+            proc = subprocess.run([sys.executable, __file__, *argv])
+            name = f"train_{args.shape}" + ("_batch_sweep" if args.batches else "")
+            path = os.path.join(tmp, f"{name}.json")
+            child = json.load(open(path)) if os.path.exists(path) else {}
+        n_params, device = child.get("params", n_params), child.get("device", device)
+        rows = child.get("results", [])
+        results += rows
+        if proc.returncode != 0:
+            done = {r["batch"] for r in rows}
+            nxt = [b for b in (args.batches or [args.batch]) if b not in done][:1]
+            results += [dict(impl=impl, batch=b, error=f"process died (exit code {proc.returncode})") for b in nxt]
+        save(args, n_params or 0, results, device=device or "unknown GPU")
+    save(args, n_params or 0, results, final=True, device=device or "unknown GPU")
+    print_table(results)
+
+
+def print_table(results):
+    """tokens/s / peak GiB per batch (rows) and implementation (columns), as markdown."""
+    impls = list(dict.fromkeys(r["impl"] for r in results))
+    print("| batch | " + " | ".join(impls) + " |")
+    print("|---" * (len(impls) + 1) + "|")
+    for batch in sorted({r["batch"] for r in results}):
+        cells = []
+        for impl in impls:
+            r = next((r for r in results if r["impl"] == impl and r["batch"] == batch), None)
+            cells.append("" if r is None else r["error"] if "error" in r else
+                         f"{r['tokens_per_s']:,.0f} / {r['peak_gib']:.1f}")
+        print(f"| {batch} | " + " | ".join(cells) + " |")
+
+
+def save(args, n_params, results, final=False, device=None):
+    """The JSON after every run (a cut-off sweep keeps what it measured), and the plot at the end.
+    ``device``: the GPU's name when this process has not touched CUDA (--isolate's parent)."""
     if not args.out:
         return
+    device = device or torch.cuda.get_device_name()
     os.makedirs(args.out, exist_ok=True)
     name = f"train_{args.shape}" + ("_batch_sweep" if args.batches else "")
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-        json.dump(dict(shape=args.shape, params=n_params, args=vars(args), device=torch.cuda.get_device_name(),
+        json.dump(dict(shape=args.shape, params=n_params, args=vars(args), device=device,
                        torch=torch.__version__, results=results), f, indent=1)
     if args.batches and final:
         plot_sweep(results, os.path.join(args.out, f"{name}.png"),
                    f"{args.shape} ({n_params / 1e9:.2f}B), seq {args.seq}, bf16, AdamW, gradient checkpointing, "
-                   f"{torch.cuda.get_device_name()}")
+                   f"{device}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A Llama-style MLP block (x + MLP(x)) under torch.utils.checkpoint (non-reentrant), fwd+bwd:
-tigon's GLUDownProj path (keeps gate and up; the recompute redoes all three matmuls) against
-GLUMLPFunction (keeps x; the recompute stops before its matmuls; gate and up are recomputed in
+tigon's glu_down path (keeps gate and up; the recompute redoes all three matmuls) against
+glu_mlp (keeps x; the recompute stops before its matmuls; gate and up are recomputed in
 the backward in column slices) at several slice budgets. Time (median, CUDA events through
 triton's do_bench) and peak memory beyond the inputs. CUDA only:
 ``PYTHONPATH=src python benchmarks/tuning/tune_mlp_checkpoint.py``."""
@@ -12,16 +12,15 @@ import torch.utils.checkpoint as ckpt
 from triton.testing import do_bench
 
 import tigon.ops.glu_mlp as GM
-from tigon.ops import GLUDownProjFunction, GLUMLPFunction
 
 
 def down_proj_block(x, wg, wu, wd):
     a, b = torch.nn.functional.linear(x, wg), torch.nn.functional.linear(x, wu)
-    return x + GLUDownProjFunction.apply(a, b, wd, None, "silu", True)
+    return x + GM.glu_down_proj(a, b, wd, None, "silu", inplace=True)
 
 
 def fused_block(x, wg, wu, wd):
-    return x + GLUMLPFunction.apply(x, wg, wu, wd, "silu")
+    return x + GM.glu_mlp_input_only(x, wg, wu, wd, "silu")
 
 
 def main():

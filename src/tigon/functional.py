@@ -7,23 +7,25 @@ import math
 import torch
 
 from tigon.ops import (
-    CrossEntropyFunction,
-    EmbeddingFunction,
-    FusedLinearCrossEntropyFunction,
-    GLUDownProjFunction,
-    GLUFunction,
-    GLUMLPFunction,
-    JSDFunction,
-    LayerNormFunction,
-    LinearJSDFunction,
-    LinearTokenLogpsFunction,
-    RoPEFunction,
+    cross_entropy_op,
+    embedding_op,
     fused_add_rms_norm_op,
+    fused_linear_cross_entropy_op,
     rms_norm_op,
 )
-from tigon.ops.cross_entropy import CrossEntropyOptions
-from tigon.ops.glu import GELU_APPROXIMATIONS, activation_name
+from tigon.ops._common import check_tensor_args
+from tigon.ops.cross_entropy import CrossEntropyOverLogits, checked_cross_entropy_options, rows_alias
+from tigon.ops.embedding import check_padding_idx, tied_grad_slot
+from tigon.ops.fused_linear_cross_entropy import checked_flce_options
+from tigon.ops.glu import GELU_APPROXIMATIONS, activation_name, check_activation, glu_op
+from tigon.ops.glu_mlp import glu_down_proj as _glu_down_proj
+from tigon.ops.glu_mlp import glu_mlp_input_only
+from tigon.ops.jsd import check_jsd_options, jsd_op, linear_jsd_op
+from tigon.ops.layer_norm import layer_norm_op
+from tigon.ops.linear_token_logps import check_ignore_index, linear_token_logps_op
 from tigon.ops.rms_norm import check_casting
+from tigon.ops.rope import check_constant_tables, check_unsqueeze_dim, rope_op
+
 
 def rms_norm(x, weight, eps=1e-6, offset=0.0, casting="llama", inplace=False) -> torch.Tensor:
     """RMSNorm of x [..., N] with weight [N] or None (no scaling); casting "llama", "gemma" or
@@ -47,7 +49,8 @@ def fused_add_rms_norm(x, residual, weight, eps=1e-6, offset=0.0, casting="llama
 
 def layer_norm(x, weight, bias, eps=1e-5) -> torch.Tensor:
     """LayerNorm of x [..., N] over the last dim; weight, bias [N] or None."""
-    return LayerNormFunction.apply(x, weight, bias, eps)
+    check_tensor_args(x=x, weight=weight, bias=bias)  # before the op: its schema's error would not name them
+    return layer_norm_op(x, weight, bias, float(eps))[0]
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
@@ -56,12 +59,24 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     q [B, Hq, T, D], k [B, Hk, T, D] (or [B, T, H, D] with unsqueeze_dim=2); cos, sin
     [1|B, T, R] (R <= D, even). With position_ids [1|B, T], cos / sin are tables [P, R].
     """
-    return RoPEFunction.apply(q, k, cos, sin, position_ids, unsqueeze_dim)
+    check_tensor_args(q=q, k=k, cos=cos, sin=sin, position_ids=position_ids)
+    check_unsqueeze_dim(unsqueeze_dim)
+    check_constant_tables(cos, sin)
+    return rope_op(q, k, cos, sin, position_ids, unsqueeze_dim)
+
+
+def glu(a, b, activation="silu", gate_multiplier=1.0, out_multiplier=1.0) -> torch.Tensor:
+    """act(a * gate_multiplier) * b * out_multiplier, elementwise; a, b [..., I] of one dtype.
+    activation: one of tigon's names ("silu", "gelu_tanh", "gelu_erf") or an HF alias."""
+    check_tensor_args(a=a, b=b)
+    activation = activation_name(activation)
+    check_activation(activation, gate_multiplier=gate_multiplier, out_multiplier=out_multiplier)
+    return glu_op(a, b, activation, float(gate_multiplier), float(out_multiplier))
 
 
 def swiglu(a, b, *, gate_multiplier=1.0) -> torch.Tensor:
     """silu(a * gate_multiplier) * b, elementwise; a, b [..., I] of one dtype."""
-    return GLUFunction.apply(a, b, "silu", gate_multiplier)
+    return glu(a, b, "silu", gate_multiplier)
 
 
 def geglu(a, b, approximate="tanh", *, gate_multiplier=1.0) -> torch.Tensor:
@@ -69,7 +84,7 @@ def geglu(a, b, approximate="tanh", *, gate_multiplier=1.0) -> torch.Tensor:
     "none" (exact erf)."""
     if approximate not in GELU_APPROXIMATIONS:
         raise ValueError(f"approximate must be 'tanh' or 'none', got {approximate!r}")
-    return GLUFunction.apply(a, b, GELU_APPROXIMATIONS[approximate], gate_multiplier)
+    return glu(a, b, GELU_APPROXIMATIONS[approximate], gate_multiplier)
 
 
 def glu_down_proj(a, b, down_weight, down_bias=None, activation="silu", *, inplace=False, gate_multiplier=1.0,
@@ -82,8 +97,9 @@ def glu_down_proj(a, b, down_weight, down_bias=None, activation="silu", *, inpla
     over a and b (saves two [tokens, I] buffers; a and b must be intermediates nothing else
     reads, and backward can then run only once).
     """
-    return GLUDownProjFunction.apply(a, b, down_weight, down_bias, activation_name(activation), inplace,
-                                     gate_multiplier, down_multiplier)
+    check_tensor_args(a=a, b=b, down_weight=down_weight, down_bias=down_bias)
+    return _glu_down_proj(a, b, down_weight, down_bias, activation_name(activation), inplace=inplace,
+                          gate_multiplier=gate_multiplier, down_multiplier=down_multiplier)
 
 
 def glu_mlp(x, gate_weight, up_weight, down_weight, activation="silu", *, gate_multiplier=1.0,
@@ -94,8 +110,9 @@ def glu_mlp(x, gate_weight, up_weight, down_weight, activation="silu", *, gate_m
     under torch.utils.checkpoint (non-reentrant), where its recomputation is skipped when
     nothing after it needs it; outside checkpointing it trades two matmuls for two [tokens, I]
     activations. (Falcon-H1's ``mlp_multipliers`` are the two multipliers.)"""
-    return GLUMLPFunction.apply(x, gate_weight, up_weight, down_weight, activation_name(activation),
-                                gate_multiplier, down_multiplier)
+    check_tensor_args(x=x, gate_weight=gate_weight, up_weight=up_weight, down_weight=down_weight)
+    return glu_mlp_input_only(x, gate_weight, up_weight, down_weight, activation_name(activation),
+                              gate_multiplier=gate_multiplier, down_multiplier=down_multiplier)
 
 
 def _ce_rows(logits, target):
@@ -123,15 +140,21 @@ def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_
     loss times its predicted probability of the target, detached). "mean" averages over
     non-ignored tokens; an all-ignored batch gives 0 (not NaN). Unlike torch, the classes are
     the last dim. ``inplace=True`` writes the gradient over ``logits`` during the forward pass
-    when logits require grad (no [N, V] gradient allocated; do not read logits afterwards).
+    when logits require grad (no [N, V] gradient allocated; do not read logits afterwards); under
+    torch.compile it is ignored (the functional op runs, the logits are left alone).
     Returns the loss, or (loss, [z_loss], [token_accuracy], [predicted_tokens]) with the
     extras asked for; predicted tokens are the argmax per row (int64), -1 where ignored.
     """
     logits2, target1 = _ce_rows(logits, target)
-    opts = CrossEntropyOptions(ignore_index, reduction, label_smoothing, weight, lse_square_scale, softcap,
-                               use_token_scaling, return_z_loss, return_token_accuracy, return_predicted_tokens)
-    outputs = CrossEntropyFunction.apply(logits2, target1, opts, inplace, torch.is_grad_enabled())
-    return _loss_outputs(outputs, target, opts)
+    opts = checked_cross_entropy_options(ignore_index, reduction, label_smoothing, weight, lse_square_scale, softcap,
+                                         use_token_scaling, return_z_loss, return_token_accuracy,
+                                         return_predicted_tokens)
+    compute_grad = torch.is_grad_enabled() and logits2.requires_grad
+    if inplace and compute_grad and not torch.compiler.is_compiling():
+        rows = logits2 if logits2.stride(-1) == 1 else logits2.contiguous()  # a copy of ours to write over
+        if not rows_alias(rows):  # rows sharing memory cannot each hold their own gradient
+            return _loss_outputs(CrossEntropyOverLogits.apply(rows, target1, opts), target, opts)
+    return _loss_outputs(cross_entropy_op(logits2, target1, *opts, compute_grad), target, opts)
 
 
 def fused_linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
@@ -147,13 +170,20 @@ def fused_linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-10
     (V * H * 4 bytes more). Gradients are computed in the forward pass (reduction "mean" /
     "sum"); the backward scales them by grad_output. ``tied_slot``: a TiedGradSlot shared with
     ``embedding`` of the same forward when ``weight`` is also the input embedding (see
-    tigon.ops.embedding): the two backward passes then fill one [V, H] gradient.
+    tigon.ops.embedding): the two backward passes then fill one [V, H] gradient (eager mode;
+    under torch.compile the slot is not used and each returns its own gradient).
     """
-    opts = CrossEntropyOptions(ignore_index, reduction, label_smoothing, ce_weight, lse_square_scale, softcap,
-                               use_token_scaling, return_z_loss, return_token_accuracy, return_predicted_tokens)
-    outputs = FusedLinearCrossEntropyFunction.apply(x, weight, target, bias, opts, chunk_budget, accum_dtype,
-                                                    torch.is_grad_enabled(), tied_slot)
-    return _loss_outputs(outputs, target, opts)
+    opts = checked_cross_entropy_options(ignore_index, reduction, label_smoothing, ce_weight, lse_square_scale,
+                                         softcap, use_token_scaling, return_z_loss, return_token_accuracy,
+                                         return_predicted_tokens)
+    chunk_budget, accum_dtype = checked_flce_options(chunk_budget, accum_dtype)
+    grad = torch.is_grad_enabled()
+    need = (grad and _requires_grad(x), grad and _requires_grad(weight), grad and _requires_grad(bias))
+    args = (x, weight, target, bias, *opts, chunk_budget, accum_dtype, *need)
+    if tied_slot is not None and not torch.compiler.is_compiling():
+        with tied_grad_slot(tied_slot):
+            return _loss_outputs(fused_linear_cross_entropy_op(*args), target, opts)
+    return _loss_outputs(fused_linear_cross_entropy_op(*args), target, opts)
 
 
 def embedding(ids, weight, padding_idx=None, tied_slot=None) -> torch.Tensor:
@@ -161,7 +191,11 @@ def embedding(ids, weight, padding_idx=None, tied_slot=None) -> torch.Tensor:
     sums each token's rows in fp32 in a fixed order (deterministic) and adds them into the
     weight's gradient; ``padding_idx`` rows get no gradient (as nn.Embedding). ``tied_slot``:
     see fused_linear_cross_entropy."""
-    return EmbeddingFunction.apply(ids, weight, padding_idx, tied_slot)
+    check_padding_idx(padding_idx)  # before the op: its schema would refuse a non-int with a vaguer error
+    if tied_slot is not None and not torch.compiler.is_compiling():
+        with tied_grad_slot(tied_slot):
+            return embedding_op(ids, weight, padding_idx)
+    return embedding_op(ids, weight, padding_idx)
 
 
 def linear_token_logps(x, weight, target, bias=None, ignore_index=-100) -> torch.Tensor:
@@ -171,9 +205,11 @@ def linear_token_logps(x, weight, target, bias=None, ignore_index=-100) -> torch
     [rows, V] logits once (meant for a chunk of a batch, as the post-training losses use it)
     and keeps their gradient for a two-matmul backward.
     """
+    check_tensor_args(x=x, weight=weight, target=target, bias=bias)
+    check_ignore_index(ignore_index)  # before the op: its schema would refuse a non-int with a vaguer error
     x2 = x.reshape(-1, x.shape[-1])
     compute_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    logp, _ = LinearTokenLogpsFunction.apply(x2, weight, bias, target.reshape(-1), ignore_index, compute_grad)
+    logp, _ = linear_token_logps_op(x2, weight, bias, target.reshape(-1), ignore_index, compute_grad)
     return logp.view(target.shape)
 
 
@@ -182,12 +218,15 @@ def linear_jsd(x, weight, teacher_x, teacher_weight, bias=None, teacher_bias=Non
     teacher_x @ teacher_weight.T + teacher_bias (beta 0: KL(teacher || student), 1: KL(student
     || teacher)), logits divided by temperature. x [..., Hs], teacher_x [..., Ht] -> fp32 [...].
     Gradients flow to the student only. Forms the rows' logits once (meant for a chunk)."""
+    check_tensor_args(x=x, weight=weight, teacher_x=teacher_x, teacher_weight=teacher_weight, bias=bias,
+                      teacher_bias=teacher_bias)
+    check_jsd_options(beta, temperature)  # before the op (a ValueError / TypeError naming the argument)
     lead = x.shape[:-1]
     compute_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    loss, _ = LinearJSDFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias,
-                                      teacher_x.reshape(-1, teacher_x.shape[-1]).detach(), teacher_weight.detach(),
-                                      None if teacher_bias is None else teacher_bias.detach(), beta,
-                                      temperature, compute_grad)
+    loss, _ = linear_jsd_op(x.reshape(-1, x.shape[-1]), weight, bias,
+                            teacher_x.reshape(-1, teacher_x.shape[-1]).detach(), teacher_weight.detach(),
+                            None if teacher_bias is None else teacher_bias.detach(), float(beta),
+                            float(temperature), compute_grad)
     return loss.view(lead)
 
 
@@ -204,17 +243,28 @@ def jsd(student_logprobs, teacher_logprobs, target=None, *, beta=0.5, ignore_ind
     teacher_logprobs, shift_labels)``: the log-probabilities are taken as given (not
     renormalised) and the gradient is that of the per-element formula with respect to them.
     """
-    return JSDFunction.apply(student_logprobs, teacher_logprobs.detach() if torch.is_tensor(teacher_logprobs)
-                             else teacher_logprobs, target, beta, ignore_index, torch.is_grad_enabled())
+    check_jsd_options(beta)  # before the op (a ValueError / TypeError naming the argument)
+    check_ignore_index(ignore_index)
+    check_tensor_args(student_logprobs=student_logprobs, teacher_logprobs=teacher_logprobs, target=target)
+    compute_grad = torch.is_grad_enabled() and student_logprobs.requires_grad
+    loss, _ = jsd_op(student_logprobs, teacher_logprobs.detach(), target, float(beta), ignore_index, compute_grad)
+    return loss
+
+
+def _requires_grad(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad
 
 
 def _loss_outputs(outputs, target, opts):
-    """The loss (shaped like target for reduction "none"), plus the extras asked for."""
-    loss, *extras = outputs
-    if opts.reduction == "none" and target.ndim != 1:
-        loss = loss.view(target.shape)
-        extras = [e.view(target.shape) if e is not None and e.ndim else e for e in extras]
-    elif target.ndim != 1:  # the predicted tokens are per row whatever the reduction
-        extras[2] = extras[2].view(target.shape) if extras[2] is not None else None
-    asked = [e for e in extras if e is not None]
-    return (loss, *asked) if asked else loss
+    """The loss (shaped like target for reduction "none"), plus the extras asked for (the ops
+    return empty tensors for the others, and their gradients after these four)."""
+    loss, z_loss, accuracy, predicted = outputs[:4]
+    extras = [e for e, asked in ((z_loss, opts.returns_z_loss), (accuracy, opts.return_token_accuracy),
+                                 (predicted, opts.return_predicted_tokens)) if asked]
+    if target.ndim != 1:
+        if opts.reduction == "none":
+            loss = loss.view(target.shape)
+            extras = [e.view(target.shape) for e in extras]
+        elif opts.return_predicted_tokens:  # the predicted tokens are per row whatever the reduction
+            extras[-1] = extras[-1].view(target.shape)
+    return (loss, *extras) if extras else loss

@@ -388,7 +388,7 @@ def test_tied_embeddings_share_one_gradient_buffer(model_type, monkeypatch):
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2"])
 def test_gradient_checkpointing_uses_the_recomputing_mlp(model_type, monkeypatch):
-    """With HF gradient checkpointing, the patched MLP keeps only its input (GLUMLPFunction) and
+    """With HF gradient checkpointing, the patched MLP keeps only its input (tigon::glu_mlp) and
     skips its matmuls in checkpoint's recomputation, except in families whose layers save the
     MLP's output (Gemma 2's post-MLP norm); training matches HF's either way."""
     from tigon.ops import glu_mlp

@@ -129,14 +129,15 @@ def test_swiglu_mlp_matches_hf_llama(dtype, mlp_bias):
 
 def spy(fn, calls):
     """fn, recording each call."""
-    return staticmethod(lambda *args, **kwargs: calls.append(1) or fn(*args, **kwargs))
+    return lambda *args, **kwargs: calls.append(1) or fn(*args, **kwargs)
 
 
 def test_swiglu_mlp_under_checkpoint_keeps_only_its_input(monkeypatch):
-    """Inside torch.utils.checkpoint the module takes GLUMLPFunction and still matches HF's MLP."""
+    """Inside torch.utils.checkpoint the module takes tigon::glu_mlp (keeps only x) and still
+    matches HF's MLP."""
     import torch.utils.checkpoint as ckpt
 
-    from tigon.ops import GLUMLPFunction
+    from tigon.ops import glu_mlp
 
     config = llama_config()
     theirs = modeling_llama.LlamaMLP(config).to(DEVICE)
@@ -144,7 +145,7 @@ def test_swiglu_mlp_under_checkpoint_keeps_only_its_input(monkeypatch):
     ours.load_state_dict(theirs.state_dict())
     x = randn((*TOKENS, HIDDEN), torch.float32, requires_grad=True)
     forms = []
-    monkeypatch.setattr(GLUMLPFunction, "forward", spy(GLUMLPFunction.forward, forms))
+    monkeypatch.setattr(glu_mlp, "glu_mlp_op", spy(glu_mlp.glu_mlp_op, forms))
     out = ckpt.checkpoint(lambda t: t + ours(t), x, use_reentrant=False)
     out.sum().backward()
     assert len(forms) == 2  # the forward and checkpoint's recomputation, both keeping only x

@@ -352,3 +352,151 @@ def test_predicted_tokens_and_token_scaling():
 
     check_op(lambda x: TF.cross_entropy(x, target, use_token_scaling=True), scaled_ref, [logits],
              dtype=torch.float32)
+
+
+# ---- the custom ops: opcheck, torch.compile, eager gradient buffers ----
+
+def check_compiled(fn, inputs, *args, shapes=None):
+    """torch.compile(fn, backend="aot_eager", dynamic=True) gives eager's output and the gradients
+    of ``inputs`` (a sum of squares of the output as the loss: a grad_output != 1), for each set
+    of inputs in ``shapes`` (the same graph serves them all), and fn traces in one graph."""
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager", dynamic=True)
+    for case in shapes or [inputs]:
+        runs = []
+        for f in (fn, compiled):
+            leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in case]
+            out = f(*leaves, *args)
+            (out.square().sum() if out.ndim else 0.5 * out).backward()
+            runs.append((out.detach(), [t.grad for t in leaves if t.requires_grad]))
+        (eager_out, eager_grads), (compiled_out, compiled_grads) = runs
+        torch.testing.assert_close(compiled_out, eager_out)
+        for got, want in zip(compiled_grads, eager_grads, strict=True):
+            torch.testing.assert_close(got, want)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(fn)(*inputs, *args)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch._dynamo.reset()
+
+
+def option_args(**options):
+    """CrossEntropyOptions as the ops take them (positional, schema order)."""
+    from tigon.ops.cross_entropy import CrossEntropyOptions
+
+    return tuple(CrossEntropyOptions(**options))
+
+
+def opcheck_all_succeed(op, args):
+    results = torch.library.opcheck(op, args)
+    assert set(results.values()) == {"SUCCESS"}, results
+
+
+CE_OPCHECK_CASES = {
+    "plain": dict(),
+    "class weights, smoothing, extras, none": dict(weight="random", label_smoothing=0.1, reduction="none",
+                                                  return_token_accuracy=True, return_predicted_tokens=True),
+    "z-loss, softcap, sum": dict(lse_square_scale=1e-2, return_z_loss=True, softcap=3.0, reduction="sum"),
+    "token scaling, weights, mean": dict(weight="random", use_token_scaling=True, return_token_accuracy=True),
+}
+
+
+@pytest.mark.parametrize("case", list(CE_OPCHECK_CASES))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cross_entropy_op_passes_opcheck(case, dtype):
+    """Schema, autograd registration, fake implementation and AOTAutograd (dynamic shapes)."""
+    from tigon.ops import cross_entropy_op
+
+    n, v = 7, 13
+    options = dict(CE_OPCHECK_CASES[case])
+    if options.get("weight") == "random":
+        options["weight"] = (torch.rand(v, device=DEVICE) + 0.5).to(dtype)
+    logits = randn((n, v), dtype, scale=2.0, requires_grad=True)
+    for compute_grad in (True, False):
+        opcheck_all_succeed(cross_entropy_op, (logits, make_target(n, v), *option_args(**options), compute_grad))
+
+
+def test_cross_entropy_inplace_op_passes_opcheck():
+    """tigon::cross_entropy_ (mutates the logits) has no autograd formula of its own (torch takes
+    none for mutating ops; CrossEntropyOverLogits is its autograd): checked with grad mode off,
+    where its outputs need none."""
+    from tigon.ops import cross_entropy_inplace_op
+
+    n, v = 7, 13
+    weight = torch.rand(v, device=DEVICE) + 0.5
+    with torch.no_grad():
+        for options in (dict(), dict(weight=weight, reduction="none", return_predicted_tokens=True)):
+            logits = randn((n, v), torch.float32, requires_grad=True)
+            opcheck_all_succeed(cross_entropy_inplace_op, (logits, make_target(n, v), *option_args(**options)))
+
+
+def test_cross_entropy_inplace_op_refuses_rows_it_cannot_write():
+    from tigon.ops import cross_entropy_inplace_op
+
+    target = make_target(5, 37)
+    with pytest.raises(ValueError, match="unit last stride"):
+        cross_entropy_inplace_op(randn((1, 37), torch.float32).expand(5, 37), target, *option_args())
+    with pytest.raises(ValueError, match="unit last stride"):
+        cross_entropy_inplace_op(randn((37, 5), torch.float32).t(), target, *option_args())
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_cross_entropy_compiles_without_graph_breaks(inplace, reduction):
+    """Compiled (aot_eager, dynamic shapes): eager's loss and gradients, one graph. inplace=True
+    runs the functional op there."""
+    v = 41
+    weight = torch.rand(v, device=DEVICE) + 0.5
+
+    def fn(z, t):
+        return TF.cross_entropy(z * 1, t, reduction=reduction, inplace=inplace, weight=weight, label_smoothing=0.1,
+                                lse_square_scale=1e-3)
+
+    shapes = [[randn((b, t, v), torch.float32, requires_grad=True), make_target(b * t, v).view(b, t)]
+              for b, t in ((2, 5), (3, 7))]
+    check_compiled(fn, shapes[0], shapes=shapes)
+
+
+def test_cross_entropy_extras_compile_without_graph_breaks():
+    v = 29
+
+    def fn(z, t):
+        loss, accuracy, predicted = TF.cross_entropy(z, t, return_token_accuracy=True, return_predicted_tokens=True)
+        return loss + accuracy + predicted.float().mean()
+
+    check_compiled(fn, [randn((11, v), torch.float32, requires_grad=True)], make_target(11, v))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_gradient_formed_in_the_forward_is_scaled_in_place_and_adopted(reduction, monkeypatch):
+    """Eager, graph freed after the backward: the [N, V] gradient the forward formed is scaled by
+    grad_output in place and becomes logits.grad: no second [N, V] buffer."""
+    from tigon.ops import cross_entropy as ce
+
+    buffers = []  # data pointers only: a reference kept here would make autograd copy the buffer
+    rows = ce.cross_entropy_rows
+    monkeypatch.setattr(ce, "cross_entropy_rows",
+                        lambda l, t, n, g, o: buffers.append(g.data_ptr()) or rows(l, t, n, g, o))
+    logits = randn((8, 40), torch.float32, requires_grad=True)
+    target = make_target(8, 40)
+    loss = TF.cross_entropy(logits, target, reduction=reduction)
+    (0.5 * (loss.sum() if reduction == "none" else loss)).backward()
+    assert buffers == [logits.grad.data_ptr()]
+    x64 = logits.detach().double().requires_grad_()
+    ref = ref_cross_entropy(x64, target, reduction=reduction)
+    (0.5 * (ref.sum() if reduction == "none" else ref)).backward()
+    torch.testing.assert_close(logits.grad.double(), x64.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_option_errors_name_the_argument_before_the_op():
+    logits = randn((4, 10), torch.float32)
+    target = torch.zeros(4, dtype=torch.long, device=DEVICE)
+    with pytest.raises(TypeError, match="ignore_index must be an int"):
+        TF.cross_entropy(logits, target, ignore_index=1.5)
+    with pytest.raises(ValueError, match="label_smoothing must be in"):
+        TF.cross_entropy(logits, target, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="softcap must be positive"):
+        TF.cross_entropy(logits, target, softcap=0.0)
+    with pytest.raises(ValueError, match="lse_square_scale"):
+        TF.cross_entropy(logits, target, lse_square_scale=-1.0)
+    with pytest.raises(TypeError, match="weight \\(class weights\\) must be a torch.Tensor"):
+        TF.cross_entropy(logits, target, weight=[1.0] * 10)

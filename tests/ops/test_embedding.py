@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from tests.helpers import DEVICE, DTYPES, check_op, pick, randn
-from tests.ops.test_cross_entropy import make_target, ref_cross_entropy
+from tests.ops.test_cross_entropy import check_compiled, make_target, opcheck_all_succeed, ref_cross_entropy
 from tigon import functional as TF
 from tigon.ops import TiedGradSlot
 from tigon.ops.embedding import SEGMENT_ROWS, embedding_backward_accumulate_
@@ -160,3 +160,63 @@ def test_tied_slot_falls_back_when_the_embedding_does_not_run_backward():
     ref_tied_lm(ids, w64, mix.detach().double(), target).backward()
     assert slot.offered == [(slot.offered[0][0], False)]
     torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-4, atol=1e-6)
+
+
+# ---- the custom ops: opcheck, torch.compile ----
+
+@pytest.mark.parametrize("padding_idx", [None, 3, -1])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embedding_op_passes_opcheck(padding_idx, dtype):
+    """Schema, autograd registration, fake implementation and AOTAutograd (dynamic shapes)."""
+    from tigon.ops import embedding_op
+
+    vocab, hidden = 37, 19
+    w = randn((vocab, hidden), dtype, requires_grad=True)
+    opcheck_all_succeed(embedding_op, (make_ids(vocab, (3, 29)), w, padding_idx))
+
+
+def test_embedding_backward_op_passes_opcheck():
+    """tigon::embedding_backward, checked with grad mode off: a backward, with no autograd
+    formula of its own (no double backward)."""
+    from tigon.ops import embedding_backward_op
+
+    vocab, hidden = 37, 19
+    grad_out = randn((3, 29, hidden), torch.float32, requires_grad=True)
+    with torch.no_grad():
+        for padding_idx in (None, 3):
+            opcheck_all_succeed(embedding_backward_op, (grad_out, make_ids(vocab, (3, 29)), vocab, padding_idx))
+
+
+def test_embedding_compiles_without_graph_breaks():
+    vocab, hidden = 37, 19
+    shapes = [[randn((vocab, hidden), torch.float32, requires_grad=True), make_ids(vocab, ids_shape)]
+              for ids_shape in ((3, 29), (2, 71))]
+    check_compiled(lambda w, ids: TF.embedding(ids, w, padding_idx=3), shapes[0], shapes=shapes)
+
+
+def test_tied_lm_compiles_without_graph_breaks_and_without_the_slot():
+    """Under torch.compile the slot is not used (each op returns its own gradient): the tied LM
+    gives eager's loss and gradients in one graph, and no gradient is offered."""
+    vocab, hidden = 53, 12
+    slots = []
+
+    def fn(w, mix, ids, target):
+        slots.append(SpySlot())
+        return tied_lm(ids, w, mix, target, slots[-1])
+
+    shapes = []
+    for ids_shape in ((2, 19), (3, 11)):
+        ids, target, w, mix = tied_case(vocab, hidden, ids_shape)
+        shapes.append([w, mix, ids, target])
+    check_compiled(fn, shapes[0], shapes=shapes)
+    compiled = torch.compile(fn, backend="aot_eager", dynamic=True)
+    slots.clear()
+    compiled(*shapes[0]).backward()
+    torch._dynamo.reset()
+    assert slots and not any(s.offered for s in slots)
+
+
+def test_padding_idx_type_error_before_the_op():
+    w = randn((13, 8), torch.float32)
+    with pytest.raises(TypeError, match="padding_idx must be an int or None"):
+        TF.embedding(torch.zeros(3, dtype=torch.long, device=DEVICE), w, padding_idx=2.0)

@@ -2,7 +2,13 @@ import pytest
 import torch
 
 from tests.helpers import DEVICE, DTYPES, check_op, pick, randn
-from tests.ops.test_cross_entropy import make_target, ref_cross_entropy
+from tests.ops.test_cross_entropy import (
+    check_compiled,
+    make_target,
+    opcheck_all_succeed,
+    option_args,
+    ref_cross_entropy,
+)
 from tigon import functional as TF
 from tigon.nn import TigonFusedLinearCrossEntropyLoss
 from tigon.ops.fused_linear_cross_entropy import chunk_rows_for_budget
@@ -271,3 +277,112 @@ def test_flce_token_scaling_predicted_tokens_and_strided_target():
     _, predicted = TF.fused_linear_cross_entropy(x, w, target, return_predicted_tokens=True)
     expected = torch.where(target != -100, (x.detach().double() @ w.detach().double().t()).argmax(-1), -1)
     assert torch.equal(predicted, expected)
+
+
+# ---- the custom ops: opcheck, torch.compile, eager gradient buffers ----
+
+FLCE_OPCHECK_CASES = {
+    "mean": dict(),
+    "none, class weights, accuracy": dict(reduction="none", weight="random", return_token_accuracy=True),
+    "sum, z-loss, smoothing, predicted": dict(reduction="sum", lse_square_scale=1e-2, return_z_loss=True,
+                                              label_smoothing=0.1, return_predicted_tokens=True),
+}
+
+
+@pytest.mark.parametrize("case", list(FLCE_OPCHECK_CASES))
+@pytest.mark.parametrize("bias", [False, True])
+def test_flce_op_passes_opcheck(case, bias):
+    """Schema, autograd registration, fake implementation and AOTAutograd (dynamic shapes), over
+    several chunks, x [3, 5, H]."""
+    from tigon.ops import fused_linear_cross_entropy_op
+
+    h, v = 6, 13
+    options = dict(FLCE_OPCHECK_CASES[case])
+    if options.get("weight") == "random":
+        options["weight"] = torch.rand(v, device=DEVICE) + 0.5
+    x = randn((3, 5, h), torch.float32, requires_grad=True)
+    w = randn((v, h), torch.float32, scale=0.5, requires_grad=True)
+    b = randn((v,), torch.float32, requires_grad=True) if bias else None
+    target = make_target(15, v).view(3, 5)
+    opcheck_all_succeed(fused_linear_cross_entropy_op,
+                        (x, w, target, b, *option_args(**options), 4 * v * 4, None, True, True, bias))
+    # Frozen head, fp32 dW accumulator for bf16 weights.
+    opcheck_all_succeed(fused_linear_cross_entropy_op,
+                        (x.detach().bfloat16().requires_grad_(), w.detach().bfloat16(), target,
+                         None if b is None else b.detach().bfloat16(), *option_args(**options), 4 * v * 2,
+                         torch.float32, True, False, False))
+
+
+def test_flce_backward_op_passes_opcheck():
+    """tigon::fused_linear_cross_entropy_backward (reduction "none"), checked with grad mode off:
+    a backward, with no autograd formula of its own (no double backward)."""
+    from tigon.ops import fused_linear_cross_entropy_backward_op
+
+    h, v = 6, 13
+    x = randn((3, 5, h), torch.float32, requires_grad=True)
+    w = randn((v, h), torch.float32, scale=0.5, requires_grad=True)
+    b = randn((v,), torch.float32, requires_grad=True)
+    grad_loss = torch.rand(15, device=DEVICE, requires_grad=True)
+    with torch.no_grad():
+        for bias, ce_weight in ((b, None), (None, torch.rand(v, device=DEVICE) + 0.5)):
+            opcheck_all_succeed(fused_linear_cross_entropy_backward_op,
+                                (grad_loss, x, w, make_target(15, v).view(3, 5), bias,
+                                 *option_args(reduction="none", weight=ce_weight), 4 * v * 4, None, True, True,
+                                 bias is not None))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_flce_compiles_without_graph_breaks(reduction, bias):
+    """Compiled (aot_eager, dynamic shapes): eager's loss and gradients, one graph; the backward
+    scales the saved gradients out of place there ("none": recomputes)."""
+    h, v = 8, 37
+    ce_weight = torch.rand(v, device=DEVICE) + 0.5
+
+    def fn(x, w, b, t):
+        return TF.fused_linear_cross_entropy(torch.tanh(x), w, t, b, reduction=reduction, ce_weight=ce_weight,
+                                             chunk_budget=4 * v * 4)
+
+    shapes = [[randn((n, 5, h), torch.float32, requires_grad=True),
+               randn((v, h), torch.float32, scale=0.5, requires_grad=True),
+               randn((v,), torch.float32, requires_grad=bias),
+               make_target(n * 5, v).view(n, 5)] for n in (2, 3)]
+    check_compiled(fn, shapes[0], shapes=shapes)
+
+
+def test_flce_gradients_formed_in_the_forward_are_scaled_in_place_and_adopted(monkeypatch):
+    """Eager, graph freed after the backward: dx and dW formed in the forward are scaled by
+    grad_output in place and become x.grad and w.grad: no second buffer of either."""
+    from tigon.ops import fused_linear_cross_entropy as flce
+
+    formed = []  # data pointers only: a reference kept here would make autograd copy the buffer
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        formed.append((out[3].data_ptr(), out[4].data_ptr()))
+        return out
+
+    original = flce.flce_chunks
+    monkeypatch.setattr(flce, "flce_chunks", spy)
+    n, h, v = 13, 8, 50
+    x = randn((n, h), torch.float32, requires_grad=True)
+    w = randn((v, h), torch.float32, requires_grad=True)
+    target = make_target(n, v)
+    (0.5 * TF.fused_linear_cross_entropy(x, w, target, chunk_budget=4 * v * 4)).backward()
+    assert formed == [(x.grad.data_ptr(), w.grad.data_ptr())]
+    refs = [t.detach().double().requires_grad_() for t in (x, w)]
+    (0.5 * ref_flce(*refs, target)).backward()
+    for ours, ref in zip((x, w), refs):
+        torch.testing.assert_close(ours.grad.double(), ref.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_flce_option_errors_name_the_argument_before_the_op():
+    x = randn((4, 8), torch.float32)
+    w = randn((10, 8), torch.float32)
+    y = torch.zeros(4, dtype=torch.long, device=DEVICE)
+    with pytest.raises(TypeError, match="ignore_index must be an int"):
+        TF.fused_linear_cross_entropy(x, w, y, ignore_index=None)
+    with pytest.raises(ValueError, match="label_smoothing must be in"):
+        TF.fused_linear_cross_entropy(x, w, y, label_smoothing=-0.1)
+    with pytest.raises(ValueError, match="chunk_budget must be a positive number of bytes"):
+        TF.fused_linear_cross_entropy(x, w, y, chunk_budget="1G")

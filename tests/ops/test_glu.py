@@ -2,8 +2,9 @@ import pytest
 import torch
 
 from tests.helpers import DTYPES, check_op, pick, randn, up
+from tests.ops.test_layer_norm import assert_compiles_like_eager
 from tigon import functional as TF
-from tigon.ops import GLUDownProjFunction, glu_mlp
+from tigon.ops import glu_mlp
 
 SHAPES = pick(cpu=[(2, 3, 37), (5, 1100), (1, 7)], gpu=[(4, 1024, 14336), (8191, 11008), (3, 4099)])
 
@@ -82,7 +83,8 @@ def test_glu_down_proj_backward_in_column_slices(dtype, inplace, fused_halves):
         return gate_up[..., :inter].contiguous(), gate_up[..., inter:].contiguous()
 
     def fn(x, wg, wd):
-        return GLUDownProjFunction.apply(*projections(x, wg), wd, None, "silu", inplace, 1.0, 1.0, slice_columns)
+        return glu_mlp.glu_down_proj(*projections(x, wg), wd, None, "silu", inplace=inplace,
+                                     slice_columns=slice_columns)
 
     def ref(x, wg, wd):
         return torch.nn.functional.linear(ref_glu(*projections(x, wg), "silu"), wd)
@@ -147,6 +149,67 @@ def test_glu_bad_inputs():
         TF.geglu(a, a, approximate="sigmoid")
     with pytest.raises(ValueError, match="down_weight"):
         TF.glu_down_proj(a, a, randn((8, 15), torch.float32))
+
+
+def assert_opcheck(op, args):
+    assert set(torch.library.opcheck(op, args).values()) == {"SUCCESS"}
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu_erf"])
+@pytest.mark.parametrize("halves", [False, True])
+def test_glu_custom_ops_pass_opcheck(activation, halves):
+    from tigon.ops.glu import glu_backward_op, glu_op
+
+    if halves:  # strided views of one gate_up output
+        a, b = randn((3, 5, 2 * 37), torch.float32, requires_grad=True).chunk(2, dim=-1)
+    else:
+        a, b = (randn((3, 5, 37), torch.float32, requires_grad=True) for _ in range(2))
+    assert_opcheck(glu_op, (a, b, activation, 0.7, 1.3))
+    assert_opcheck(glu_backward_op, (randn((3, 5, 37), torch.float32), a.detach(), b.detach(), activation, 0.7, 1.3))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_glu_down_custom_ops_pass_opcheck(bias, inplace):
+    from tigon.ops.glu_mlp import glu_down_backward_inplace_op, glu_down_backward_op, glu_down_op
+
+    a = randn((2, 5, 40), torch.float32, requires_grad=True)
+    b = randn((2, 5, 40), torch.float32, requires_grad=True)
+    w = randn((24, 40), torch.float32, scale=40**-0.5, requires_grad=True)
+    bvec = randn((24,), torch.float32, requires_grad=True) if bias else None
+    options = ("gelu_tanh", 0.7, 1.3, torch.float32)
+    assert_opcheck(glu_down_op, (a, b, w, bvec, *options, inplace, 16))
+    a, b, w, bvec = (None if t is None else t.detach() for t in (a, b, w, bvec))  # backward ops: no autograd
+    dout = randn((2, 5, 24), torch.float32)
+    assert_opcheck(glu_down_backward_op, (dout, a, b, w, bvec, *options, 16, True, True, bias))
+    assert_opcheck(glu_down_backward_inplace_op, (dout, a.clone(), b.clone(), w, bvec, *options, 16, True, bias))
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_erf"])
+def test_glu_compiles_without_graph_breaks(activation):
+    gate_up = randn((3, 5, 2 * 37), torch.float32, scale=2.0, requires_grad=True)
+
+    def loss(gate_up):
+        return (TF.glu(*gate_up.chunk(2, dim=-1), activation, gate_multiplier=0.7, out_multiplier=1.3) ** 2).sum()
+
+    assert_compiles_like_eager(loss, [gate_up])
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_glu_down_proj_compiles_without_graph_breaks(inplace):
+    """Under torch.compile the backward does not write over a and b (the graph owns them): the
+    eager result, inplace or not."""
+    a = randn((2, 5, 40), torch.float32, scale=2.0, requires_grad=True)
+    b = randn((2, 5, 40), torch.float32, requires_grad=True)
+    w = randn((24, 40), torch.float32, scale=40**-0.5, requires_grad=True)
+    bvec = randn((24,), torch.float32, requires_grad=True)
+
+    def loss(a, b, w, bvec):
+        out = TF.glu_down_proj(a * 1.5, b * 1.5, w, bvec, "gelu_tanh", inplace=inplace, gate_multiplier=0.7,
+                               down_multiplier=1.3)
+        return (out**2).sum()
+
+    assert_compiles_like_eager(loss, [a, b, w, bvec])
 
 
 @pytest.mark.gpu

@@ -4,8 +4,9 @@ import torch.utils.checkpoint as checkpoint_module
 
 from tests.helpers import DEVICE, DTYPES, check_op, pick, randn, rel_err
 from tests.ops.test_glu import ref_glu
+from tests.ops.test_layer_norm import assert_compiles_like_eager
 from tigon import functional as TF
-from tigon.ops import GLUMLPFunction, glu_mlp
+from tigon.ops import glu_mlp
 
 # (tokens, hidden, intermediate); on the CPU the intermediate is cut into 3 ragged slices of 16.
 TOKENS, HIDDEN, INTER = pick((2, 5), (2, 1023)), pick(24, 2048), pick(40, 5632 + 64)
@@ -37,7 +38,7 @@ def test_glu_mlp_matches_reference(dtype, activation, slices, non_contiguous):
     slice_columns = SLICE if slices == "ragged" else None
 
     def ours(x, wg, wu, wd):
-        return GLUMLPFunction.apply(x, wg, wu, wd, activation, 1.0, 1.0, slice_columns)
+        return glu_mlp.glu_mlp_input_only(x, wg, wu, wd, activation, slice_columns=slice_columns)
 
     check_op(ours, lambda *t: ref_mlp(*t, activation), [x, *make_weights(dtype)], dtype=dtype, tol=tol(dtype),
              what=f"glu_mlp[{activation}, {slices}, non_contiguous={non_contiguous}]")
@@ -117,3 +118,49 @@ def test_glu_mlp_bad_inputs():
         TF.glu_mlp(x, wg, wu, wd, activation="relu")
     with pytest.raises(TypeError, match="gate_weight"):
         TF.glu_mlp(x, wg.double(), wu, wd)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_glu_mlp_custom_ops_pass_opcheck(frozen):
+    from tigon.ops.glu_mlp import glu_mlp_backward_op, glu_mlp_op
+
+    x = randn((*TOKENS, HIDDEN), torch.float32, non_contiguous=True, requires_grad=True)
+    weights = make_weights(torch.float32, requires_grad=not frozen)
+    options = ("gelu_tanh", 0.7, 1.3, torch.float32, SLICE)
+    assert set(torch.library.opcheck(glu_mlp_op, (x, *weights, *options, True)).values()) == {"SUCCESS"}
+    dout = randn((*TOKENS, HIDDEN), torch.float32)
+    needs = (True, *(not frozen,) * 3)
+    checks = torch.library.opcheck(glu_mlp_backward_op, (dout, x.detach(), *[w.detach() for w in weights], *options,
+                                                         *needs))
+    assert set(checks.values()) == {"SUCCESS"}
+
+
+def test_glu_mlp_compiles_without_graph_breaks():
+    x = randn((*TOKENS, HIDDEN), torch.float32, requires_grad=True)
+
+    def loss(x, wg, wu, wd):
+        return (TF.glu_mlp(x * 1.5, wg, wu, wd, gate_multiplier=0.7, down_multiplier=1.3) ** 2).sum()
+
+    assert_compiles_like_eager(loss, [x, *make_weights(torch.float32)])
+
+
+def test_gated_mlp_under_checkpoint_compiles_without_graph_breaks(monkeypatch):
+    """In eager the checkpointed MLP keeps only x (tigon::glu_mlp, reading checkpoint's hooks);
+    under torch.compile it takes tigon::glu_down (torch handles the checkpoint): same loss and
+    gradients, one graph."""
+    x = randn((*TOKENS, HIDDEN), torch.float32, requires_grad=True)
+    input_only_calls = []
+    op = glu_mlp.glu_mlp_op
+    monkeypatch.setattr(glu_mlp, "glu_mlp_op", lambda *args: input_only_calls.append(1) or op(*args))
+    wg, wu, wd = make_weights(torch.float32)
+    layers = [torch.nn.Linear(1, 1, bias=False).to(DEVICE) for _ in range(3)]
+    for layer, w in zip(layers, (wg, wu, wd)):
+        layer.weight = torch.nn.Parameter(w.detach().clone())
+
+    def loss(x):
+        def block(h):
+            return h + glu_mlp.gated_mlp(h, *layers, "silu")
+        return (checkpoint_module.checkpoint(block, x, use_reentrant=False) ** 2).sum()
+
+    assert_compiles_like_eager(loss, [x])
+    assert len(input_only_calls) == 2  # eager: the forward and checkpoint's recomputation

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from tests.helpers import DTYPES, check_op, pick, randn, rel_err
+from tests.helpers import DEVICE, DTYPES, check_op, pick, randn, rel_err
 from tigon import functional as TF
 from tigon.ops.jsd import jsd_rows
 
@@ -100,3 +100,46 @@ def test_jsd_kernel_large_logits_keep_precision(beta, temperature, offsets):
     for name, ours, theirs, exact in (("loss", loss, eager, ref), ("grad", grad, eager_grad, ref_grad)):
         err, eager_err = rel_err(ours, exact), rel_err(theirs, exact)
         assert err <= max(4 * eager_err, 1e-5), f"{name}: relative error {err:.3g}, eager fp32 torch {eager_err:.3g}"
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("compute_grad", [True, False])
+def test_linear_jsd_opcheck(bias, compute_grad):
+    """torch.library.opcheck of tigon::linear_jsd: schema, autograd registration, fake tensor
+    (both outputs) and AOT dispatch with dynamic shapes, gradients included."""
+    n, hs, ht, v = 7, 12, 10, 37
+    x = randn((n, hs), torch.float32, requires_grad=compute_grad)
+    w = randn((v, hs), torch.float32, scale=hs**-0.5 * 3, requires_grad=compute_grad)
+    b = randn((v,), torch.float32, scale=0.5, requires_grad=compute_grad) if bias else None
+    tx, tw = randn((n, ht), torch.float32), randn((v, ht), torch.float32, scale=ht**-0.5 * 3)
+    tb = randn((v,), torch.float32, scale=0.5) if bias else None
+    for beta, temperature in ((0.0, 1.0), (0.3, 2.0)):
+        result = torch.library.opcheck(torch.ops.tigon.linear_jsd.default,
+                                       (x, w, b, tx, tw, tb, beta, temperature, compute_grad))
+        assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_linear_jsd_compiles_without_graph_breaks():
+    """torch.compile (aot_eager, dynamic shapes) traces linear_jsd in one graph with eager's
+    values and gradients, for two batch sizes."""
+    hs, ht, v = 12, 10, 37
+
+    def fn(x, w, b, tx, tw, scale):
+        return (TF.linear_jsd(x, w, tx, tw, b, beta=0.4, temperature=2.0) * scale).sum()
+
+    compiled = torch.compile(fn, backend="aot_eager", dynamic=True, fullgraph=True)
+    for rows in (5, 8):
+        x = randn((rows, hs), torch.float32, requires_grad=True)
+        w = randn((v, hs), torch.float32, scale=hs**-0.5 * 3, requires_grad=True)
+        b = randn((v,), torch.float32, scale=0.5, requires_grad=True)
+        tx, tw = randn((rows, ht), torch.float32), randn((v, ht), torch.float32, scale=ht**-0.5 * 3)
+        scale = torch.rand(rows, device=DEVICE) + 0.5
+        explained = torch._dynamo.explain(fn)(x, w, b, tx, tw, scale)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+        out = compiled(x, w, b, tx, tw, scale)
+        grads = torch.autograd.grad(out, (x, w, b))
+        ref = fn(x, w, b, tx, tw, scale)
+        ref_grads = torch.autograd.grad(ref, (x, w, b))
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)

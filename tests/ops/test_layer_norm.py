@@ -84,3 +84,49 @@ def test_layer_norm_bad_inputs():
         TF.layer_norm(x, randn((16,), torch.float32), randn((17,), torch.float32))
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
         TF.layer_norm([1.0, 2.0], None, None)
+
+
+def assert_compiles_like_eager(fn, inputs):
+    """torch.compile(fn) (AOTAutograd, dynamic shapes) gives fn's eager loss and gradients, and
+    dynamo traces fn in one graph."""
+    def loss_and_grads(f):
+        leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+        loss = f(*leaves)
+        return [loss, *torch.autograd.grad(loss, [t for t in leaves if t.requires_grad])]
+
+    torch._dynamo.reset()
+    eager = loss_and_grads(fn)
+    compiled = loss_and_grads(torch.compile(fn, backend="aot_eager", dynamic=True))
+    for want, got in zip(eager, compiled):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch._dynamo.explain(fn)(*inputs).graph_break_count == 0
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("affine", ["weight+bias", "weight", "none"])
+@pytest.mark.parametrize("non_contiguous", [False, True])
+def test_layer_norm_custom_ops_pass_opcheck(affine, non_contiguous):
+    from tigon.ops.layer_norm import layer_norm_backward_op, layer_norm_op
+
+    x = randn((3, 5, 37), torch.float32, non_contiguous=non_contiguous, requires_grad=True)
+    w = randn((37,), torch.float32, requires_grad=True) if "weight" in affine else None
+    b = randn((37,), torch.float32, requires_grad=True) if "bias" in affine else None
+    assert set(torch.library.opcheck(layer_norm_op, (x, w, b, 1e-5)).values()) == {"SUCCESS"}
+    x, w, b = (None if t is None else t.detach() for t in (x, w, b))  # the backward op has no autograd
+    _, mean, rstd = layer_norm_op(x, w, b, 1e-5)
+    dy = randn((3, 5, 37), torch.float32)
+    checks = torch.library.opcheck(layer_norm_backward_op, (dy, x, w, b, mean, rstd, w is not None, b is not None))
+    assert set(checks.values()) == {"SUCCESS"}
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_compiles_without_graph_breaks(affine):
+    x = randn((3, 5, 37), torch.float32, shift=2.0, requires_grad=True)
+    w = randn((37,), torch.float32, shift=1.0, requires_grad=affine)
+    b = randn((37,), torch.float32, requires_grad=affine)
+    cotangent = randn((3, 5, 37), torch.float32)
+
+    def loss(x, w, b):
+        return (TF.layer_norm(x * 2.0, w if affine else None, b if affine else None) * cotangent).sum()
+
+    assert_compiles_like_eager(loss, [x, w, b])

@@ -1,6 +1,5 @@
 import pytest
 import torch
-from torch.func import grad_and_value
 
 from tests.helpers import DEVICE, DTYPES, check_op, pick, randn
 from tests.ops.test_cross_entropy import make_target
@@ -46,24 +45,65 @@ def test_linear_token_logps_strided_x_and_fp32_head():
              [x, w], dtype=torch.bfloat16, tol=2e-2, noise_floor=2 * 2**-8, worse_than_eager=3.0)
 
 
-def test_linear_token_logps_under_grad_and_value():
-    """torch.func.grad_and_value (what the chunked losses use) gives autograd's gradients."""
+def test_linear_token_logps_under_autograd_grad_not_torch_func():
+    """torch.autograd.grad (what the chunked losses use) gives autograd's gradients; torch.func
+    transforms refuse the op (its autograd is a custom op's registered formula)."""
     n, h, v = 11, 16, 257
-    x = randn((n, h), torch.float32)
-    w = randn((v, h), torch.float32, scale=0.5)
+    x = randn((n, h), torch.float32, requires_grad=True)
+    w = randn((v, h), torch.float32, scale=0.5, requires_grad=True)
     target = make_target(n, v, "some")
     scale = torch.randn(n, device=DEVICE)
-
-    def f(x, w):
-        return (TF.linear_token_logps(x, w, target) * scale).sum()
-
-    (gx, gw), value = grad_and_value(f, argnums=(0, 1))(x, w)
-    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    value = (TF.linear_token_logps(x, w, target) * scale).sum()
+    gx, gw = torch.autograd.grad(value, (x, w))
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     ref = (ref_token_logps(xr, wr, target) * scale).sum()
     ref.backward()
     torch.testing.assert_close(value, ref.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gx, xr.grad, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(gw, wr.grad, rtol=1e-4, atol=1e-5)
+    with pytest.raises(RuntimeError, match="functorch"):
+        torch.func.grad(lambda x: TF.linear_token_logps(x, w.detach(), target).sum())(x.detach())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("compute_grad", [True, False])
+def test_linear_token_logps_opcheck(bias, compute_grad):
+    """torch.library.opcheck: schema, autograd registration, fake tensor (shapes, dtypes,
+    strides of both outputs) and AOT dispatch with dynamic shapes, gradients included."""
+    n, h, v = 7, 12, 37
+    x = randn((n, h), torch.float32, requires_grad=compute_grad)
+    w = randn((v, h), torch.float32, scale=h**-0.5 * 3, requires_grad=compute_grad)
+    b = randn((v,), torch.float32, scale=0.5, requires_grad=compute_grad) if bias else None
+    target = make_target(n, v, "some")
+    result = torch.library.opcheck(torch.ops.tigon.linear_token_logps.default, (x, w, b, target, -100, compute_grad))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_linear_token_logps_compiles_without_graph_breaks():
+    """torch.compile (aot_eager, dynamic shapes) traces the op in one graph and gives eager's
+    values and gradients, for two batch sizes."""
+    h, v = 12, 37
+
+    def fn(x, w, b, target, scale):
+        return (TF.linear_token_logps(x, w, target, b) * scale).sum()
+
+    compiled = torch.compile(fn, backend="aot_eager", dynamic=True, fullgraph=True)
+    for rows in (2, 3):
+        x = randn((rows, 5, h), torch.float32, requires_grad=True)
+        w = randn((v, h), torch.float32, scale=h**-0.5 * 3, requires_grad=True)
+        b = randn((v,), torch.float32, scale=0.5, requires_grad=True)
+        target = torch.randint(0, v, (rows, 5), device=DEVICE)
+        target[:, 0] = -100
+        scale = torch.randn(rows, 5, device=DEVICE)
+        explained = torch._dynamo.explain(fn)(x, w, b, target, scale)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+        out = compiled(x, w, b, target, scale)
+        grads = torch.autograd.grad(out, (x, w, b))
+        ref = fn(x, w, b, target, scale)
+        ref_grads = torch.autograd.grad(ref, (x, w, b))
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
 
 
 def test_linear_token_logps_bad_inputs():
@@ -75,3 +115,10 @@ def test_linear_token_logps_bad_inputs():
         TF.linear_token_logps(x, randn((10, 7), torch.float32), torch.zeros(4, dtype=torch.long, device=DEVICE))
     with pytest.raises(ValueError, match="target"):
         TF.linear_token_logps(x, w, torch.full((4,), 10, dtype=torch.long, device=DEVICE))
+    target = torch.zeros(4, dtype=torch.long, device=DEVICE)
+    with pytest.raises(TypeError, match="ignore_index"):  # checked before the op (its schema's error is vaguer)
+        TF.linear_token_logps(x, w, target, ignore_index=-100.0)
+    with pytest.raises(TypeError, match="bias"):
+        TF.linear_token_logps(x, w, target, bias=[0.0] * 10)
+    with pytest.raises(TypeError, match="target"):
+        TF.linear_token_logps(x, w, target.float())

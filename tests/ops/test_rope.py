@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from tests.helpers import DTYPES, check_op, pick, randn
+from tests.ops.test_layer_norm import assert_compiles_like_eager
 from tigon import functional as TF
 
 # (batch, q heads, kv heads, tokens, head dim)
@@ -180,12 +181,10 @@ def test_rope_gradients_take_the_inputs_layout(non_contiguous):
     """The backward writes dq / dk in q's / k's layouts (HF's q is a transposed view of the
     projection: its gradient must be one too, so the view's backward copies nothing), whatever
     the layout of the incoming gradients, with the values of the reference."""
-    from tigon.ops import RoPEFunction
-
     shape = (2, 4, 2, 5, 16)
     q, k = make_qk(shape, torch.float32, "bhtd", non_contiguous)
     cos, sin = hf_cos_sin(shape[0], shape[3], shape[4], torch.float32)
-    out_q, out_k = RoPEFunction.apply(q, k, cos, sin)
+    out_q, out_k = TF.apply_rotary_pos_emb(q, k, cos, sin)
     # Incoming gradients in the other layout than q's.
     gq = randn(out_q.shape, torch.float32) if non_contiguous else randn((2, 5, 4, 16), torch.float32).transpose(1, 2)
     gk = randn(out_k.shape, torch.float32) if non_contiguous else randn((2, 5, 2, 16), torch.float32).transpose(1, 2)
@@ -212,3 +211,47 @@ def test_rope_bad_inputs():
         TF.apply_rotary_pos_emb(q, k, cos[0], sin[0], position_ids=torch.full((1, 5), 9, device=q.device))
     with pytest.raises(ValueError, match="require grad"):
         TF.apply_rotary_pos_emb(q, k, cos.clone().requires_grad_(), sin)
+
+
+@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
+@pytest.mark.parametrize("non_contiguous", [False, True])
+@pytest.mark.parametrize("positions", [False, True])
+def test_rope_custom_ops_pass_opcheck(layout, non_contiguous, positions):
+    """tigon::rope on HF's transposed views and contiguous q / k, partial rotary, and its
+    backward writing q's layout."""
+    from tigon.ops.rope import dense_strides, rope_backward_op, rope_op
+
+    batch, hq, hk, tokens, dim, rot = 2, 3, 1, 5, 12, 8
+    unsqueeze_dim = 1 if layout == "bhtd" else 2
+    q, k = make_qk((batch, hq, hk, tokens, dim), torch.float32, layout, non_contiguous)
+    if positions:
+        cos, sin, pos = randn((9, rot), torch.float32), randn((9, rot), torch.float32), \
+            torch.randint(0, 9, (batch, tokens), device=q.device)
+    else:
+        cos, sin, pos = randn((1, tokens, rot), torch.float32), randn((1, tokens, rot), torch.float32), None
+    assert set(torch.library.opcheck(rope_op, (q, k, cos, sin, pos, unsqueeze_dim)).values()) == {"SUCCESS"}
+    strides = [list(dense_strides(t) or ()) for t in (q, k)]
+    grads = (randn(q.shape, torch.float32), randn(k.shape, torch.float32))
+    checks = torch.library.opcheck(rope_backward_op, (*grads, cos, sin, pos, unsqueeze_dim, *strides))
+    assert set(checks.values()) == {"SUCCESS"}
+
+
+@pytest.mark.parametrize("positions", [False, True])
+def test_rope_compiles_without_graph_breaks(positions):
+    """HF's q / k (transposed views of the projections) through torch.compile: eager's values
+    and gradients, one graph."""
+    batch, hq, hk, tokens, dim = 2, 3, 1, 5, 16
+    proj_q = randn((batch, tokens, hq * dim), torch.float32, requires_grad=True)
+    proj_k = randn((batch, tokens, hk * dim), torch.float32, requires_grad=True)
+    cos, sin = hf_cos_sin(1, 9 if positions else tokens, 12, torch.float32)
+    pos = torch.arange(2, 2 + tokens, device=proj_q.device)[None].expand(batch, -1) if positions else None
+    if positions:
+        cos, sin = cos[0], sin[0]
+
+    def loss(proj_q, proj_k):
+        q = proj_q.view(batch, tokens, hq, dim).transpose(1, 2)
+        k = proj_k.view(batch, tokens, hk, dim).transpose(1, 2)
+        out_q, out_k = TF.apply_rotary_pos_emb(q, k, cos, sin, position_ids=pos)
+        return (out_q * out_q).sum() + (out_k * 3.0).sum()
+
+    assert_compiles_like_eager(loss, [proj_q, proj_k])

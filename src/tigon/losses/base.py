@@ -4,27 +4,37 @@ A loss is written as a function of one chunk, ``chunk_fn(*chunked, *shared) -> (
 metrics)``: ``chunked`` tensors are indexed by the chunk's rows (hidden states, targets, the
 reference's hidden states...), ``shared`` ones are whole (lm_head weight and bias). The loss
 must be a sum over chunks (its normalisers computed from the whole batch beforehand), so the
-chunk gradients add up to the full gradients exactly. ``ChunkedLossFunction`` walks the
-chunks, takes each chunk's loss share and its gradients with respect to the differentiable
-inputs in one call (``torch.func.grad_and_value``, optionally under ``torch.compile`` with
-dynamic shapes). Row chunks are disjoint, so a chunked input's gradient is written once, in
-its own dtype; a shared input's gradient is summed over chunks in its dtype (fp32 for fp32
-parameters; one rounding per chunk for bf16). The gradients are formed in the forward pass;
-the backward scales them by grad_output: in place, and hands them out, when the graph is freed
-after it; into new tensors when it is retained (they are read again by the next backward).
+chunk gradients add up to the full gradients exactly.
+
+Eager (``ChunkedLossFunction``): the forward walks the chunks and takes each chunk's loss share
+and its gradients with respect to the differentiable inputs (``torch.autograd.grad`` over the
+chunk, whose inputs are fresh leaves; with ``compiled=True`` the chunk_fn runs under
+``torch.compile`` with dynamic shapes). Row chunks are disjoint, so a chunked input's gradient
+is written once, in its own dtype; a shared input's gradient is summed over chunks in its
+dtype (fp32 for fp32 parameters; one rounding per chunk for bf16). The gradients are formed in
+the forward pass; the backward scales them by grad_output: in place, and hands them out, when
+the graph is freed after it; into new tensors when it is retained (they are read again by the
+next backward).
+
+Under torch.compile (the loss call, or a whole step, compiled by the user): dynamo cannot trace
+that Function (a backward pass inside its forward, autograd's private state and a host sync in
+its backward), so ``run_chunked`` takes ``checkpointed_chunks`` instead: each chunk's loss is a
+non-reentrant torch.utils.checkpoint region, traced as one graph with the rest of the step
+(no graph break); AOTAutograd differentiates it and recomputes each chunk's forward in the
+backward, so no chunk's logits are kept between forward and backward. The same loss and
+gradients as eager, to rounding, for one more forward of each chunk.
 
 Metrics: per-row tensors are concatenated in chunk order; scalars are summed over chunks.
 """
-
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch.func import grad_and_value
+from torch.utils.checkpoint import checkpoint
 
-from tigon.ops._common import capturing
+from tigon.ops._common import capturing, traced
 from tigon.ops._internals import graph_retained
 
 
@@ -44,6 +54,24 @@ def head_logits(x, weight, bias):
     return logits + bias.float() if bias is not None else logits
 
 
+class _Metrics:
+    """The chunks' metrics (detached): per-row tensors joined in chunk order, scalars summed."""
+
+    def __init__(self):
+        self.per_row, self.scalars = {}, {}
+
+    def add(self, metrics):
+        for k, v in metrics.items():
+            v = v.detach()
+            if v.ndim == 0:
+                self.scalars[k] = v if k not in self.scalars else self.scalars[k] + v
+            else:
+                self.per_row.setdefault(k, []).append(v)
+
+    def joined(self):
+        return {**{k: torch.cat(v) for k, v in self.per_row.items()}, **self.scalars}
+
+
 @dataclass
 class ChunkSpec:
     """What ChunkedLossFunction computes: chunk_fn over row chunks of the first n_chunked inputs."""
@@ -51,31 +79,43 @@ class ChunkSpec:
     chunk_fn: Callable
     n_chunked: int
     row_chunks: list  # LongTensor row indices per chunk (into dim 0 of the chunked inputs)
-    compiled: bool = False
+    compiled: bool = False  # eager: chunk_fn under torch.compile (dynamic shapes)
     metric_names: list = field(default_factory=list)  # filled by forward: the outputs after the loss
 
 
 class ChunkedLossFunction(torch.autograd.Function):
     """ChunkedLossFunction.apply(spec, *inputs) -> (loss, *metrics); inputs are the chunked
-    tensors then the shared ones (None allowed)."""
+    tensors then the shared ones (None allowed). Eager only (``run_chunked`` takes another path
+    under torch.compile)."""
 
     @staticmethod
     def forward(ctx, spec: ChunkSpec, *inputs):
         need = [bool(flag) and t is not None and t.is_floating_point()
                 for flag, t in zip(ctx.needs_input_grad[1:], inputs)]
         argnums = tuple(i for i, n in enumerate(need) if n)
-        step = grad_and_value(spec.chunk_fn, argnums=argnums, has_aux=True) if argnums else None
-        if step is not None and spec.compiled:
-            step = torch.compile(step, dynamic=True)
+        fn = torch.compile(spec.chunk_fn, dynamic=True) if argnums and spec.compiled else spec.chunk_fn
+        # The shared inputs' leaves serve every chunk (torch.autograd.grad does not accumulate
+        # into them); a chunked input gets a leaf per chunk, its rows.
+        shared = {i: inputs[i].detach().requires_grad_() for i in argnums if i >= spec.n_chunked}
         grads: dict[int, torch.Tensor] = {}
-        total, per_row, scalars = None, {}, {}
+        total, collected = None, _Metrics()
         for rows in spec.row_chunks:
-            args = [t[rows] if (i < spec.n_chunked and t is not None) else t for i, t in enumerate(inputs)]
-            if step is None:
-                with torch.no_grad():
-                    loss_c, metrics = spec.chunk_fn(*args)
+            args = [t[rows] if (i < spec.n_chunked and t is not None) else shared.get(i, t)
+                    for i, t in enumerate(inputs)]
+            if not argnums:
+                loss_c, metrics = fn(*args)  # grad mode is off in a Function's forward
             else:
-                g, (loss_c, metrics) = step(*args)
+                for i in argnums:
+                    if i < spec.n_chunked:
+                        args[i] = args[i].detach().requires_grad_()
+                leaves = [args[i] for i in argnums]
+                with torch.enable_grad():
+                    loss_c, metrics = fn(*args)
+                    if loss_c.requires_grad:
+                        g = torch.autograd.grad(loss_c, leaves, allow_unused=True, materialize_grads=True)
+                    else:  # the chunk's loss does not depend on the inputs
+                        g = [torch.zeros_like(t) for t in leaves]
+                del leaves
                 for i, gi in zip(argnums, g):
                     if i < spec.n_chunked:
                         if i not in grads:
@@ -90,13 +130,8 @@ class ChunkedLossFunction(torch.autograd.Function):
                 del g, gi
             loss_c = loss_c.detach().float()
             total = loss_c if total is None else total + loss_c
-            for k, v in metrics.items():
-                v = v.detach()
-                if v.ndim == 0:
-                    scalars[k] = v if k not in scalars else scalars[k] + v
-                else:
-                    per_row.setdefault(k, []).append(v)
-        metrics = {**{k: torch.cat(v) for k, v in per_row.items()}, **scalars}
+            collected.add(metrics)
+        metrics = collected.joined()
         ctx.grad_index = sorted(grads)
         ctx.save_for_backward(*(grads[i] for i in ctx.grad_index))
         ctx.dtypes = [t.dtype if t is not None else None for t in inputs]
@@ -109,8 +144,10 @@ class ChunkedLossFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, *_grad_metrics):
         out = [None] * ctx.n_inputs
         # The saved gradients are handed to autograd (which may adopt one as .grad and add
-        # into it) only when this is the graph's last backward; otherwise scaled copies.
-        retained = graph_retained()
+        # into it) only when this is the graph's last backward; otherwise scaled copies. Both
+        # probes (autograd's private state, a host sync) are eager-only: a traced backward
+        # (compiled autograd, make_fx) always scales into new tensors.
+        retained = traced(grad_loss) or graph_retained()
         one = not retained and _is_one(grad_loss)
         for i, g in zip(ctx.grad_index, ctx.saved_tensors):
             if retained:
@@ -127,10 +164,44 @@ def _is_one(t):
 
 
 def run_chunked(chunk_fn, chunked, shared, row_chunks, compiled=False):
-    """(loss, metrics dict) of chunk_fn over row_chunks; see ChunkedLossFunction."""
+    """(loss, metrics dict) of chunk_fn over row_chunks: eager, ChunkedLossFunction; under
+    torch.compile, ``checkpointed_chunks``."""
+    if torch.compiler.is_compiling():
+        return checkpointed_chunks(chunk_fn, chunked, shared, row_chunks)
     spec = ChunkSpec(chunk_fn, len(chunked), row_chunks, compiled)
     loss, *values = ChunkedLossFunction.apply(spec, *chunked, *shared)
     return loss, dict(zip(spec.metric_names, values))
+
+
+def checkpointed_chunks(chunk_fn, chunked, shared, row_chunks):
+    """run_chunked as torch.compile traces it: each chunk's loss is a non-reentrant
+    torch.utils.checkpoint region (which dynamo traces as a higher-order op), so autograd
+    differentiates the sum of the chunks and the backward recomputes each chunk's forward (its
+    [rows, V] logits, and the gradient the tigon ops form there) just before that chunk's
+    backward: what is kept between forward and backward is the inputs, never a chunk's logits.
+    The chunks' rows are taken inside the region (the whole inputs are kept, not copies of
+    their rows). Costs one more forward of each chunk than the eager path."""
+    n_chunked = len(chunked)
+    inputs = (*chunked, *shared)
+
+    def chunk(rows, *inputs):
+        return chunk_fn(*(t[rows] if i < n_chunked and t is not None else t for i, t in enumerate(inputs)))
+
+    total, collected = None, _Metrics()
+    for rows in row_chunks:
+        loss_c, metrics = checkpoint(chunk, rows, *inputs, use_reentrant=False, preserve_rng_state=False)
+        loss_c = loss_c.float()
+        total = loss_c if total is None else total + loss_c
+        collected.add(metrics)
+    return total, collected.joined()
+
+
+def plain_numbers(options: dict) -> dict:
+    """``options`` with its numbers (bools aside) as Python floats, for a chunk_fn to close over.
+    Under torch.compile with dynamic shapes a float that reaches the loss from a keyword default
+    is traced as a symbolic float, which dynamo (torch 2.13) fails to carry into a checkpoint
+    region (``checkpointed_chunks``); float() makes it a constant (guarded)."""
+    return {k: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for k, v in options.items()}
 
 
 def check_chunk_size(name, value) -> int:

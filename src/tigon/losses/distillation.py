@@ -60,6 +60,7 @@ def fused_linear_jsd(student_x, student_weight, teacher_x, teacher_weight, targe
     target [...] (only its ignore_index positions matter) or None. Returns (loss, metrics).
     chunk_budget: bytes of student + teacher logits per chunk (see the module's docstring)."""
     check_jsd_options(beta, temperature)
+    beta, temperature = float(beta), float(temperature)  # see plain_numbers
     sx, tx = student_x.reshape(-1, student_x.shape[-1]), teacher_x.reshape(-1, teacher_x.shape[-1])
     if sx.shape[0] != tx.shape[0]:
         raise ValueError(f"student_x has {sx.shape[0]} tokens but teacher_x has {tx.shape[0]}")
@@ -98,6 +99,7 @@ def jsd_loss(student_logits, teacher_logits, target=None, *, beta=0.5, temperatu
     """Generalised JSD over logits [..., V] that already exist (fp32 math a chunk of rows at a
     time; chunk_budget counts its fp32 temporaries). For log-probabilities, see TigonJSD."""
     check_jsd_options(beta, temperature)
+    beta, temperature = float(beta), float(temperature)  # see plain_numbers
     s, t = student_logits.reshape(-1, student_logits.shape[-1]), teacher_logits.reshape(-1, teacher_logits.shape[-1])
     if s.shape != t.shape:
         raise ValueError(f"student_logits {tuple(student_logits.shape)} and teacher_logits "

@@ -13,12 +13,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from tigon.functional import linear_token_logps
-from tigon.losses.base import contiguous_chunks, head_logits, run_chunked, token_logps
+from tigon.losses.base import contiguous_chunks, head_logits, plain_numbers, run_chunked, token_logps
 
 DPO_TYPES = ("sigmoid", "ipo", "hinge")
 
 
-def dpo_pair_loss(chosen, rejected, ref_chosen, ref_rejected, beta=0.1, loss_type="sigmoid", label_smoothing=0.0):
+# The pair losses take their options by keyword, without defaults (each loss passes them all): a
+# float default read inside a checkpoint region trips dynamo with dynamic shapes (see plain_numbers).
+
+
+def dpo_pair_loss(chosen, rejected, ref_chosen, ref_rejected, *, beta, loss_type, label_smoothing):
     ref_c = ref_chosen if ref_chosen is not None else torch.zeros_like(chosen)  # reference-free: log-probs 0
     ref_r = ref_rejected if ref_rejected is not None else torch.zeros_like(rejected)
     margin = (chosen - ref_c) - (rejected - ref_r)
@@ -32,14 +36,14 @@ def dpo_pair_loss(chosen, rejected, ref_chosen, ref_rejected, beta=0.1, loss_typ
                         rejected_rewards=(beta * (rejected - ref_r)).detach())
 
 
-def orpo_pair_loss(chosen, rejected, _ref_c, _ref_r, beta=0.1):
+def orpo_pair_loss(chosen, rejected, _ref_c, _ref_r, *, beta):
     log_odds = (chosen - rejected) - (torch.log1p(-torch.exp(chosen)) - torch.log1p(-torch.exp(rejected)))
     ratio = F.logsigmoid(log_odds)
     return -beta * ratio, dict(chosen_rewards=(beta * chosen).detach(), rejected_rewards=(beta * rejected).detach(),
                                log_odds_ratio=ratio.detach(), log_odds_chosen=log_odds.detach())
 
 
-def cpo_pair_loss(chosen, rejected, _ref_c, _ref_r, beta=0.1, label_smoothing=0.0, gamma=0.0):
+def cpo_pair_loss(chosen, rejected, _ref_c, _ref_r, *, beta, label_smoothing, gamma):
     """CPO's sigmoid loss; with gamma (SimPO's margin) as SimPO's -logsigmoid(beta * diff - gamma)."""
     logits = beta * (chosen - rejected) - gamma
     losses = -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
@@ -120,6 +124,7 @@ def _run(pair_loss, options, x, weight, target, bias, ref_x=None, ref_weight=Non
          chunk_pairs=1, compiled=False, nll_target=None):
     check_preference_args(x, weight, target, bias, ref_x, ref_weight, ref_chosen_logps, ref_rejected_logps)
     check_nll_target(nll_target, target, nll_weight)
+    options, nll_weight = plain_numbers(options), float(nll_weight)
     pairs = x.shape[0] // 2
     nll_source = target if nll_target is None else nll_target
     chosen_tokens = (nll_source[:pairs] != ignore_index).sum().clamp_min(1)
@@ -184,7 +189,7 @@ def orpo_loss(x, weight, target, bias=None, *, beta=0.1, ignore_index=-100, comp
 def cpo_loss(x, weight, target, bias=None, *, beta=0.1, label_smoothing=0.0, alpha=1.0, ignore_index=-100,
              average_log_prob=False, chunk_pairs=1, compiled=False):
     """CPO: -logsigmoid(beta * (chosen - rejected)) plus alpha * NLL of the chosen tokens."""
-    return _run(cpo_pair_loss, dict(beta=beta, label_smoothing=label_smoothing), x, weight, target, bias,
+    return _run(cpo_pair_loss, dict(beta=beta, label_smoothing=label_smoothing, gamma=0.0), x, weight, target, bias,
                 ignore_index=ignore_index, average_log_prob=average_log_prob, nll_weight=alpha,
                 chunk_pairs=chunk_pairs, compiled=compiled)
 
@@ -253,6 +258,7 @@ def kto_loss(x, weight, target, preference_labels, bias=None, *, beta=0.1, desir
     if isinstance(kl, torch.Tensor) and kl.numel() != 1:
         raise ValueError(f"kl must be one number (the batch's KL estimate), got a tensor of shape {tuple(kl.shape)}")
     n = x.shape[0]
+    beta, desirable_weight, undesirable_weight = float(beta), float(desirable_weight), float(undesirable_weight)
     kl_value = torch.as_tensor(0.0 if kl is None else kl, dtype=torch.float32, device=x.device).detach().reshape(())
     if clamp_kl:
         kl_value = kl_value.clamp_min(0)

@@ -1,30 +1,34 @@
 """One file per op: its Triton kernels, its custom ops (``torch.ops.tigon.*``) and their autograd."""
 
-from tigon.ops.cross_entropy import CrossEntropyFunction
-from tigon.ops.embedding import EmbeddingFunction, TiedGradSlot
+from tigon.ops.cross_entropy import cross_entropy_inplace_op, cross_entropy_op
+from tigon.ops.embedding import TiedGradSlot, embedding_backward_op, embedding_op
 from tigon.ops.fused_add_rms_norm import fused_add_rms_norm_op
-from tigon.ops.fused_linear_cross_entropy import FusedLinearCrossEntropyFunction
-from tigon.ops.glu import GLUFunction
-from tigon.ops.glu_mlp import GLUDownProjFunction, GLUMLPFunction
-from tigon.ops.jsd import JSDFunction, LinearJSDFunction
-from tigon.ops.layer_norm import LayerNormFunction
-from tigon.ops.linear_token_logps import LinearTokenLogpsFunction
+from tigon.ops.fused_linear_cross_entropy import fused_linear_cross_entropy_backward_op, fused_linear_cross_entropy_op
+from tigon.ops.glu import glu_op
+from tigon.ops.glu_mlp import glu_down_op, glu_mlp_op
+from tigon.ops.jsd import jsd_backward_op, jsd_op, linear_jsd_op
+from tigon.ops.layer_norm import layer_norm_op
+from tigon.ops.linear_token_logps import linear_token_logps_op
 from tigon.ops.rms_norm import rms_norm_op
-from tigon.ops.rope import RoPEFunction
+from tigon.ops.rope import rope_op
 
 __all__ = [
-    "CrossEntropyFunction",
-    "EmbeddingFunction",
-    "FusedLinearCrossEntropyFunction",
-    "GLUDownProjFunction",
-    "GLUFunction",
-    "GLUMLPFunction",
-    "JSDFunction",
-    "LayerNormFunction",
-    "LinearJSDFunction",
-    "LinearTokenLogpsFunction",
-    "RoPEFunction",
     "TiedGradSlot",
+    "cross_entropy_inplace_op",
+    "cross_entropy_op",
+    "embedding_backward_op",
+    "embedding_op",
     "fused_add_rms_norm_op",
+    "fused_linear_cross_entropy_backward_op",
+    "fused_linear_cross_entropy_op",
+    "glu_down_op",
+    "glu_mlp_op",
+    "glu_op",
+    "jsd_backward_op",
+    "jsd_op",
+    "layer_norm_op",
+    "linear_jsd_op",
+    "linear_token_logps_op",
     "rms_norm_op",
+    "rope_op",
 ]

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import math
 import os
+import threading
 from typing import NamedTuple
 
 import torch
@@ -51,10 +52,19 @@ def chunk_budget_bytes(chunk_budget) -> int:
     return chunk_budget
 
 
+class ThreadFlag(threading.local):
+    """A per-thread flag, off in every thread until ``thread_flag`` sets it. Each thread's
+    value exists from its first access (threading.local runs __init__ per thread), so that
+    torch.compile's guards on it read the same before and after a first call sets it."""
+
+    def __init__(self):
+        self.on = False
+
+
 @contextlib.contextmanager
-def thread_flag(local, value: bool = True):
-    """``local.on = value`` (a threading.local) for the block, then what it was before."""
-    before = getattr(local, "on", False)
+def thread_flag(local: ThreadFlag, value: bool = True):
+    """``local.on = value`` for the block, then what it was before."""
+    before = local.on
     local.on = value
     try:
         yield
@@ -122,6 +132,22 @@ def check_tensor(name: str, t, *, ndim=None, min_ndim=None, floating=True) -> No
             "the Triton interpreter (set TRITON_INTERPRET=1 before importing triton)"
         )
     raise ValueError(f"{name} is on device {t.device}; tigon kernels run on CUDA tensors")
+
+
+def check_tensor_args(**named) -> None:
+    """Each given argument is a tensor (None entries skipped): checked before an op call, whose
+    schema would refuse anything else with an error not naming the argument."""
+    for name, t in named.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def traced(*tensors) -> bool:
+    """True while torch.compile, AOTAutograd or make_fx traces this code (they set is_compiling or
+    hand it functional / fake tensor subclasses). A backward then stays functional: no reads of
+    autograd's private state, no in-place writes into saved tensors, no kernel launched outside
+    a custom op. Eager code on plain tensors may do all three."""
+    return torch.compiler.is_compiling() or any(type(t) is not torch.Tensor for t in tensors)
 
 
 def check_same_device(**tensors) -> None:

@@ -18,21 +18,26 @@ loss of 0 and a zero gradient. ``ignore_index`` may be any int, inside [0, V) or
 
 The gradient is formed once, for grad_output = 1; the backward scales it by grad_output, in
 place when autograd frees the graph after that backward, into a new buffer when the graph is
-retained (so a second backward over it is exact).
+retained (so a second backward over it is exact) or when torch.compile traces the backward.
+
+Custom ops: ``torch.ops.tigon.cross_entropy`` returns that gradient as an extra output, saved
+for its registered backward; ``tigon::cross_entropy_`` writes it over the logits (eager
+``inplace=True``, with ``CrossEntropyOverLogits`` as its autograd).
 """
 
 from __future__ import annotations
 
 import collections
 import os
-import threading
-from dataclasses import dataclass, replace
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from tigon.ops._common import (
+    ThreadFlag,
     capturing,
     cdiv,
     check_same_device,
@@ -40,6 +45,7 @@ from tigon.ops._common import (
     new_output,
     next_pow2,
     thread_flag,
+    traced,
 )
 from tigon.ops._internals import graph_retained, launch
 
@@ -51,7 +57,7 @@ REDUCTIONS = ("mean", "sum", "none")
 # a CUDA call does not wait: it queues the check and a later call raises once the result has
 # arrived; the call with the bad label gives a NaN loss meanwhile.
 CHECK_LABELS = os.environ.get("TIGON_CHECK_LABELS", "1") != "0"
-_DEFERRAL = threading.local()
+_DEFERRAL = ThreadFlag()
 _PENDING_LABEL_CHECKS: collections.deque = collections.deque()
 MAX_PENDING_LABEL_CHECKS = 8  # beyond this the oldest check waits for its result
 
@@ -284,9 +290,12 @@ def scale_rows(x2, scale, out=None):
 
 def scaled_gradient(grad, scale):
     """A gradient formed in the forward pass, times grad_output ``scale`` (fp32, one element or
-    one per row), for a backward: over ``grad`` itself when the graph is freed after this
+    one per row), for a backward. Eager: over ``grad`` itself when the graph is freed after this
     backward (no copy; autograd may adopt the buffer as .grad), else into a new buffer, so that
-    ``grad`` is still exact for the next backward over the retained graph."""
+    ``grad`` is still exact for the next backward over the retained graph. Traced (see
+    ``traced``): a new tensor from torch ops, the same fp32 product rounded to grad's dtype."""
+    if traced(grad, scale):
+        return (grad.float() * scale.reshape(-1, *(1,) * (grad.ndim - 1))).to(grad.dtype)
     if graph_retained():
         return scale_rows(grad, scale, out=torch.empty_like(grad))
     return scale_rows(grad, scale)
@@ -306,10 +315,11 @@ def ce_launch_config(n_rows: int, n_cols: int, device: torch.device) -> tuple[in
     return max(1, programs), block, warps
 
 
-@dataclass(frozen=True)
-class CrossEntropyOptions:
+class CrossEntropyOptions(NamedTuple):
     """What a cross-entropy call computes besides the logits and the target (shared by cross
-    entropy, the fused linear version and the linear-head log-probs)."""
+    entropy, the fused linear version and the linear-head log-probs). The fields are in the order
+    the custom ops' schemas take them (``op(logits, target, *opts, ...)``), the class weight
+    named ``class_weight`` there."""
 
     ignore_index: int = -100
     reduction: str = "mean"
@@ -326,22 +336,20 @@ class CrossEntropyOptions:
     def compute_argmax(self) -> bool:
         return self.return_token_accuracy or self.return_predicted_tokens
 
+    @property
+    def returns_z_loss(self) -> bool:
+        """The z-loss is returned when asked for and there is one (lse_square_scale != 0)."""
+        return self.return_z_loss and bool(self.lse_square_scale)
 
-def check_cross_entropy_options(target, n_rows, n_classes, opts: CrossEntropyOptions):
-    """Checks shared by cross entropy and the fused linear version, for logits [n_rows, n_classes]
-    and target [n_rows]. Returns (target, opts) as the kernel reads them: the target and the
-    class weights by index, so contiguous (a strided or expanded one is copied)."""
-    check_tensor("target", target, ndim=1, floating=False)
-    if target.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"target must be int64 or int32 class indices, got {target.dtype}")
-    if target.shape[0] != n_rows:
-        raise ValueError(f"target has {target.shape[0]} rows but the logits have {n_rows} (logits [N, V], target [N])")
+
+def check_option_values(opts: CrossEntropyOptions) -> None:
+    """The options that are not tensors (and the class weight's type), with a TypeError /
+    ValueError naming the argument. Reads no tensor: the functional entries run it before an op
+    call, whose schema would refuse a wrong type with a vaguer error."""
     if isinstance(opts.ignore_index, bool) or not isinstance(opts.ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {opts.ignore_index!r}")
-    if opts.weight is not None:
-        check_tensor("weight", opts.weight, ndim=1)
-        if opts.weight.shape[0] != n_classes:
-            raise ValueError(f"weight has {opts.weight.shape[0]} entries but the logits have {n_classes} classes")
+    if opts.weight is not None and not isinstance(opts.weight, torch.Tensor):
+        raise TypeError(f"weight (class weights) must be a torch.Tensor or None, got {type(opts.weight).__name__}")
     if opts.reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {opts.reduction!r}")
     if not 0.0 <= opts.label_smoothing <= 1.0:
@@ -350,18 +358,62 @@ def check_cross_entropy_options(target, n_rows, n_classes, opts: CrossEntropyOpt
         raise ValueError(f"softcap must be positive or None, got {opts.softcap}")
     if not opts.lse_square_scale >= 0:
         raise ValueError(f"lse_square_scale must be >= 0, got {opts.lse_square_scale}")
+
+
+def checked_cross_entropy_options(ignore_index=-100, reduction="mean", label_smoothing=0.0, weight=None,
+                                  lse_square_scale=0.0, softcap=None, use_token_scaling=False, return_z_loss=False,
+                                  return_token_accuracy=False, return_predicted_tokens=False) -> CrossEntropyOptions:
+    """The options checked (``check_option_values``) and typed as the ops' schemas take them."""
+    opts = CrossEntropyOptions(ignore_index, reduction, label_smoothing, weight, lse_square_scale, softcap)
+    check_option_values(opts)
+    return CrossEntropyOptions(ignore_index, reduction, float(label_smoothing), weight, float(lse_square_scale),
+                               None if softcap is None else float(softcap), bool(use_token_scaling),
+                               bool(return_z_loss), bool(return_token_accuracy), bool(return_predicted_tokens))
+
+
+def check_target_and_class_weight(target, n_rows, n_classes, weight) -> None:
+    """Metadata checks of target [n_rows] (integer class indices) and the class weights [n_classes]
+    or None, for logits [n_rows, n_classes]: no data read (fake implementations run them too)."""
+    check_tensor("target", target, ndim=1, floating=False)
+    if target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"target must be int64 or int32 class indices, got {target.dtype}")
+    if target.shape[0] != n_rows:
+        raise ValueError(f"target has {target.shape[0]} rows but the logits have {n_rows} (logits [N, V], target [N])")
+    if weight is not None:
+        check_tensor("weight", weight, ndim=1)
+        if weight.shape[0] != n_classes:
+            raise ValueError(f"weight has {weight.shape[0]} entries but the logits have {n_classes} classes")
+
+
+def check_label_range(target, n_classes, ignore_index) -> None:
+    """Every label in [0, n_classes) or ignore_index: a host sync (see CHECK_LABELS above), or on
+    CUDA inside ``deferred_label_checks()`` a queued check. Real implementations only."""
     if CHECK_LABELS and target.numel() and not capturing():
-        ignore_index = opts.ignore_index
         bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
-        if target.is_cuda and getattr(_DEFERRAL, "on", False):
+        if target.is_cuda and _DEFERRAL.on:
             _queue_label_check(bad, target, n_classes, ignore_index)
         elif bool(bad.any()):
             first = target[bad][0].item()
             raise ValueError(f"target holds {first}, outside [0, {n_classes}) and not ignore_index={ignore_index} "
                              "(set TIGON_CHECK_LABELS=0 to skip this check, which syncs with the GPU)")
+
+
+def kernel_target_and_options(target, opts: CrossEntropyOptions):
+    """(target, opts) as the kernel reads them, by index: the target and the class weights
+    contiguous (a strided or expanded one is copied)."""
     if opts.weight is not None and not opts.weight.is_contiguous():
-        opts = replace(opts, weight=opts.weight.contiguous())
+        opts = opts._replace(weight=opts.weight.contiguous())
     return target.contiguous(), opts
+
+
+def check_cross_entropy_options(target, n_rows, n_classes, opts: CrossEntropyOptions):
+    """Checks shared by cross entropy and the fused linear version, for logits [n_rows, n_classes]
+    and target [n_rows], the label range included. Returns (target, opts) as the kernel reads
+    them (``kernel_target_and_options``)."""
+    check_target_and_class_weight(target, n_rows, n_classes, opts.weight)
+    check_option_values(opts)
+    check_label_range(target, n_classes, opts.ignore_index)
+    return kernel_target_and_options(target, opts)
 
 
 def cross_entropy_norms(target, opts: CrossEntropyOptions):
@@ -444,42 +496,159 @@ def rows_alias(x2: torch.Tensor) -> bool:
     return x2.shape[0] > 1 and x2.shape[1] > 0 and x2.stride(0) < x2.shape[1]
 
 
-class CrossEntropyFunction(torch.autograd.Function):
-    """(loss, z_loss, token_accuracy, predicted_tokens) of logits [N, V] and target [N]; the
-    extras are None unless ``opts`` asks for them. With ``inplace`` the logits buffer is
-    overwritten by its gradient when logits require grad (unless its rows share memory, where
-    a new buffer is used); its version counter is bumped so any other saved use of it fails
-    loudly."""
+# ---- custom ops: torch.ops.tigon.cross_entropy, and tigon::cross_entropy_ writing over the logits ----
+#
+# Schema: logits [N, V], target [N], then CrossEntropyOptions' fields in order, then what to
+# compute. The loss outputs are fp32 (predicted tokens int64), one per row for reduction "none",
+# else 0-dim; those a call did not ask for are empty tensors (custom ops cannot return None).
+
+N_OPTIONS = len(CrossEntropyOptions._fields)
+
+
+def op_loss_outputs(loss_rows, z_rows, predicted, norms, target, opts: CrossEntropyOptions, like):
+    """reduce_loss_rows' results as the ops return them: (loss, z_loss, token_accuracy,
+    predicted_tokens), an empty tensor (on ``like``'s device) for each one not asked for."""
+    loss, z_loss, accuracy, predicted = reduce_loss_rows(loss_rows, z_rows, predicted, norms, target, opts)
+    return (loss,
+            z_loss if z_loss is not None else like.new_empty(0, dtype=torch.float32),
+            accuracy if accuracy is not None else like.new_empty(0, dtype=torch.float32),
+            predicted if predicted is not None else like.new_empty(0, dtype=torch.int64))
+
+
+def fake_op_loss_outputs(n_rows, opts: CrossEntropyOptions, like):
+    """The metadata of ``op_loss_outputs`` for n_rows rows (fake implementations)."""
+    rows = (n_rows,) if opts.reduction == "none" else ()
+    return (like.new_empty(rows, dtype=torch.float32),
+            like.new_empty(rows if opts.returns_z_loss else (0,), dtype=torch.float32),
+            like.new_empty(rows if opts.return_token_accuracy else (0,), dtype=torch.float32),
+            like.new_empty((n_rows,) if opts.return_predicted_tokens else (0,), dtype=torch.int64))
+
+
+def loss_scale(grad_loss, per_row: bool):
+    """grad_output as scaled_gradient takes it: fp32, one per row (reduction "none") or one element."""
+    return (grad_loss.reshape(-1) if per_row else grad_loss.reshape(1)).to(torch.float32)
+
+
+def writable_rows(logits2) -> bool:
+    """True when the gradient can be written over logits2 [N, V]: unit last stride, rows not
+    sharing memory."""
+    return logits2.stride(-1) == 1 and not rows_alias(logits2)
+
+
+def _check_cross_entropy_args(logits, target, opts: CrossEntropyOptions) -> None:
+    """Metadata checks of both ops, for their real and fake implementations. (Not the plain
+    values, which a fake implementation may get as symbolic ints: the functional entries and
+    the real implementations check those with ``check_option_values``.)"""
+    check_tensor("logits", logits, ndim=2)
+    check_target_and_class_weight(target, logits.shape[0], logits.shape[1], opts.weight)
+    check_same_device(logits=logits, target=target, weight=opts.weight)
+
+
+def _cross_entropy(logits2, target, opts: CrossEntropyOptions, grad):
+    """Checked logits2 [N, V] (unit last stride) -> op_loss_outputs; d loss / d logits for
+    grad_output 1 into ``grad`` (None: not computed; it may be logits2)."""
+    check_label_range(target, logits2.shape[1], opts.ignore_index)
+    target, opts = kernel_target_and_options(target, opts)
+    norms = cross_entropy_norms(target, opts)
+    loss_rows, z_rows, predicted = cross_entropy_rows(logits2, target, norms, grad, opts)
+    return op_loss_outputs(loss_rows, z_rows, predicted, norms, target, opts, logits2)
+
+
+@torch.library.custom_op("tigon::cross_entropy", mutates_args=())
+def cross_entropy_op(logits: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float,
+                     class_weight: Optional[Tensor], lse_square_scale: float, softcap: Optional[float],
+                     use_token_scaling: bool, return_z_loss: bool, return_token_accuracy: bool,
+                     return_predicted_tokens: bool, compute_grad: bool
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, z_loss, token_accuracy, predicted_tokens, grad) of logits [N, V] and target [N];
+    grad: d loss / d logits for grad_output 1 ([N, V], logits' dtype) with ``compute_grad``,
+    else empty. The backward scales it by grad_output."""
+    opts = CrossEntropyOptions(ignore_index, reduction, label_smoothing, class_weight, lse_square_scale, softcap,
+                               use_token_scaling, return_z_loss, return_token_accuracy, return_predicted_tokens)
+    check_option_values(opts)
+    _check_cross_entropy_args(logits, target, opts)
+    logits2 = logits if logits.stride(-1) == 1 else logits.contiguous()
+    grad = new_output(logits2.shape, logits2.dtype, logits2.device) if compute_grad else None
+    outputs = _cross_entropy(logits2, target, opts, grad)
+    return (*outputs, grad if grad is not None else logits.new_empty(0))
+
+
+@cross_entropy_op.register_fake
+def _(logits, target, *args):
+    opts, compute_grad = CrossEntropyOptions(*args[:N_OPTIONS]), args[N_OPTIONS]
+    _check_cross_entropy_args(logits, target, opts)
+    grad = logits.new_empty(logits.shape) if compute_grad else logits.new_empty(0)
+    return (*fake_op_loss_outputs(logits.shape[0], opts, logits), grad)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # the extras' gradients arrive as None
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(output[4])  # the gradient, formed in the forward pass
+    ctx.per_row = inputs[3] == "none"
+    ctx.has_grad = inputs[-1]
+
+
+def _backward(ctx, grad_loss, *_grads_of_extras):
+    grad_logits = None
+    if grad_loss is not None and ctx.has_grad and ctx.needs_input_grad[0]:
+        (grad,) = ctx.saved_tensors
+        grad_logits = scaled_gradient(grad, loss_scale(grad_loss, ctx.per_row))
+    return (grad_logits,) + (None,) * (2 + N_OPTIONS)
+
+
+cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("tigon::cross_entropy_", mutates_args=("logits",))
+def cross_entropy_inplace_op(logits: Tensor, target: Tensor, ignore_index: int, reduction: str,
+                             label_smoothing: float, class_weight: Optional[Tensor], lse_square_scale: float,
+                             softcap: Optional[float], use_token_scaling: bool, return_z_loss: bool,
+                             return_token_accuracy: bool, return_predicted_tokens: bool
+                             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """tigon::cross_entropy writing d loss / d logits (grad_output 1) over ``logits`` (see
+    ``writable_rows``): no [N, V] gradient allocated. No autograd formula of its own (torch
+    registers none for ops that mutate an input): ``CrossEntropyOverLogits`` is its autograd."""
+    opts = CrossEntropyOptions(ignore_index, reduction, label_smoothing, class_weight, lse_square_scale, softcap,
+                               use_token_scaling, return_z_loss, return_token_accuracy, return_predicted_tokens)
+    check_option_values(opts)
+    _check_writable_logits(logits, target, opts)
+    return _cross_entropy(logits, target, opts, logits)
+
+
+@cross_entropy_inplace_op.register_fake
+def _(logits, target, *args):
+    opts = CrossEntropyOptions(*args)
+    _check_writable_logits(logits, target, opts)
+    return fake_op_loss_outputs(logits.shape[0], opts, logits)
+
+
+def _check_writable_logits(logits, target, opts):
+    _check_cross_entropy_args(logits, target, opts)
+    if not writable_rows(logits):
+        raise ValueError(f"cross_entropy_ writes the gradient over logits: they need unit last stride and rows not "
+                         f"sharing memory, got strides {logits.stride()} for shape {tuple(logits.shape)}")
+
+
+class CrossEntropyOverLogits(torch.autograd.Function):
+    """The autograd of tigon::cross_entropy_, for ``TF.cross_entropy(..., inplace=True)`` in eager
+    mode only (under torch.compile the functional op runs instead). The op bumps the logits'
+    version, so another saved use of them fails loudly. Their memory, now the gradient, is saved
+    as a detached alias, which autograd can adopt as .grad without a copy (it copies tensors
+    referenced elsewhere); the backward scales it by grad_output (``scaled_gradient``)."""
 
     @staticmethod
-    def forward(ctx, logits, target, opts: CrossEntropyOptions, inplace=False, grad_enabled=True):
-        check_tensor("logits", logits, ndim=2)
-        target, opts = check_cross_entropy_options(target, logits.shape[0], logits.shape[1], opts)
-        check_same_device(logits=logits, target=target, weight=opts.weight)
-        logits2 = logits if logits.stride(-1) == 1 else logits.contiguous()
-        # forward runs with grad mode off: the caller's mode arrives as grad_enabled.
-        needs_grad = ctx.needs_input_grad[0] and grad_enabled
-        norms = cross_entropy_norms(target, opts)
-        grad = None
-        in_place = inplace and not rows_alias(logits2)
-        if needs_grad:
-            # A detached alias, not logits itself: autograd can then adopt the buffer as the
-            # gradient without copying it (it copies tensors that are referenced elsewhere).
-            grad = logits2.detach() if in_place else new_output(logits2.shape, logits2.dtype, logits2.device)
-        loss_rows, z_rows, predicted = cross_entropy_rows(logits2, target, norms, grad, opts)
-        if needs_grad and in_place and logits2 is logits:
-            torch.autograd.graph.increment_version(logits)
-        outputs = reduce_loss_rows(loss_rows, z_rows, predicted, norms, target, opts)
-        ctx.save_for_backward(grad)
-        ctx.has_grad = grad is not None
-        ctx.mark_non_differentiable(*(t for t in outputs[1:] if t is not None))
+    def forward(ctx, logits, target, opts: CrossEntropyOptions):
+        outputs = cross_entropy_inplace_op(logits, target, *opts)
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(*outputs[1:])
+        ctx.save_for_backward(logits.detach())
+        ctx.per_row = opts.reduction == "none"
         return outputs
 
     @staticmethod
-    def backward(ctx, grad_loss, *_grad_extras):
-        if not ctx.has_grad:
-            return None, None, None, None, None
+    def backward(ctx, grad_loss, *_grads_of_extras):
+        if grad_loss is None:
+            return None, None, None
         (grad,) = ctx.saved_tensors
-        scale = grad_loss.reshape(-1) if grad_loss.numel() > 1 else grad_loss.reshape(1)
-        return scaled_gradient(grad, scale.to(torch.float32)), None, None, None, None
-
+        return scaled_gradient(grad, loss_scale(grad_loss, ctx.per_row)), None, None

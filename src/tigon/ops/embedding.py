@@ -11,16 +11,24 @@ autograd then sums the two: 0.5 GiB at the very end of the backward for a 1B Lla
 for Gemma 2. With a ``TiedGradSlot`` shared between this op and the fused linear cross
 entropy of one forward, the head hands its gradient to the slot and this backward adds the
 embedding's rows into it, so the weight's gradient arrives once, complete, from this op.
+
+Custom ops: ``torch.ops.tigon.embedding`` (the forward) and ``tigon::embedding_backward`` (a new
+zero gradient with the rows added), called from its registered backward unless the slot holds
+the head's gradient (eager only; under torch.compile each op returns its own gradient).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from tigon.ops._common import cdiv, check_same_device, check_tensor, next_pow2
 from tigon.ops._internals import engine_will_run, launch
@@ -91,7 +99,9 @@ def embedding_backward_accumulate_(grad_weight: torch.Tensor, ids: torch.Tensor,
 class TiedGradSlot:
     """Couples one embedding call and one output-head call of the same forward that share a
     weight. The head's backward (which runs first) may hand its weight gradient over with
-    ``offer``; the embedding's backward then adds into it and returns the sum."""
+    ``offer``; the embedding's backward then adds into it and returns the sum. Eager only: the
+    functional entries pass it to the ops' autograd through ``tied_grad_slot`` (under
+    torch.compile they do not, and each op returns its own gradient)."""
 
     def __init__(self):
         self._embedding_node = None  # weakref to the embedding's autograd node
@@ -120,6 +130,33 @@ class TiedGradSlot:
         return grad
 
 
+# The slot of the op call in progress: custom ops take tensors and plain values only, so the
+# functional entries set it around the call and the ops' setup_context picks it up.
+class _SlotOfCall(threading.local):
+    def __init__(self):
+        self.slot = None  # per thread from its first access (see tigon.ops._common.ThreadFlag)
+
+
+_TIED_SLOT = _SlotOfCall()
+
+
+@contextlib.contextmanager
+def tied_grad_slot(slot: TiedGradSlot | None):
+    """Within the block, an embedding or fused linear cross entropy op call records ``slot`` on
+    its autograd node (eager mode; the functional entries use it)."""
+    before = _TIED_SLOT.slot
+    _TIED_SLOT.slot = slot
+    try:
+        yield
+    finally:
+        _TIED_SLOT.slot = before
+
+
+def current_tied_slot() -> TiedGradSlot | None:
+    """The slot set by ``tied_grad_slot`` (None under torch.compile)."""
+    return None if torch.compiler.is_compiling() else _TIED_SLOT.slot
+
+
 def check_embedding_args(ids, weight, padding_idx):
     check_tensor("weight", weight, ndim=2)
     if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
@@ -129,30 +166,60 @@ def check_embedding_args(ids, weight, padding_idx):
         raise ValueError(f"padding_idx {padding_idx} is out of range for {weight.shape[0]} embeddings")
 
 
-class EmbeddingFunction(torch.autograd.Function):
-    """weight[ids] ([..., H]); backward as described in the module docstring. ``slot``: a
-    TiedGradSlot shared with the tied output head's FLCE of the same forward, or None."""
+def check_padding_idx(padding_idx) -> None:
+    """padding_idx None or an int (the functional entry and the real implementation: a fake one
+    may get a symbolic int)."""
+    if padding_idx is not None and (isinstance(padding_idx, bool) or not isinstance(padding_idx, int)):
+        raise TypeError(f"padding_idx must be an int or None, got {padding_idx!r}")
 
-    @staticmethod
-    def forward(ctx, ids, weight, padding_idx=None, slot=None):
-        check_embedding_args(ids, weight, padding_idx)
-        if padding_idx is not None and padding_idx < 0:
-            padding_idx += weight.shape[0]
-        out = F.embedding(ids, weight)  # a gather; its range check raises on a bad id
-        ctx.save_for_backward(ids)
-        ctx.padding_idx = padding_idx
-        ctx.weight_meta = (weight.shape, weight.dtype, weight.device)
-        ctx.slot = slot if slot is not None and slot.register_embedding(ctx) else None
-        return out
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        if not ctx.needs_input_grad[1]:
-            return None, None, None, None
-        (ids,) = ctx.saved_tensors
-        shape, dtype, device = ctx.weight_meta
-        grad_weight = ctx.slot.take() if ctx.slot is not None else None
-        if grad_weight is None:
-            grad_weight = torch.zeros(shape, dtype=dtype, device=device)
-        embedding_backward_accumulate_(grad_weight, ids, grad_out, ctx.padding_idx)
-        return None, grad_weight, None, None
+# ---- custom ops: torch.ops.tigon.embedding and its backward ----
+
+@torch.library.custom_op("tigon::embedding", mutates_args=())
+def embedding_op(ids: Tensor, weight: Tensor, padding_idx: Optional[int]) -> Tensor:
+    """weight[ids]: ids [...] integer, weight [V, H] -> [..., H] in weight's dtype. ``padding_idx``
+    rows get no gradient."""
+    check_padding_idx(padding_idx)
+    check_embedding_args(ids, weight, padding_idx)
+    return F.embedding(ids, weight)  # a gather; its range check raises on a bad id
+
+
+@embedding_op.register_fake
+def _(ids, weight, padding_idx):
+    check_embedding_args(ids, weight, padding_idx)
+    return weight.new_empty((*ids.shape, weight.shape[1]))
+
+
+@torch.library.custom_op("tigon::embedding_backward", mutates_args=())
+def embedding_backward_op(grad_out: Tensor, ids: Tensor, n_embeddings: int, padding_idx: Optional[int]) -> Tensor:
+    """The weight's gradient [n_embeddings, H] (grad_out's dtype) of the embedding of ids [...],
+    for grad_out [..., H]; rows of ``padding_idx`` (in [0, n_embeddings)) stay zero."""
+    grad_weight = torch.zeros((n_embeddings, grad_out.shape[-1]), dtype=grad_out.dtype, device=grad_out.device)
+    return embedding_backward_accumulate_(grad_weight, ids, grad_out, padding_idx)
+
+
+@embedding_backward_op.register_fake
+def _(grad_out, ids, n_embeddings, padding_idx):
+    return grad_out.new_empty((n_embeddings, grad_out.shape[-1]))
+
+
+def _setup_context(ctx, inputs, output):
+    ids, weight, padding_idx = inputs
+    ctx.save_for_backward(ids)
+    ctx.n_embeddings = weight.shape[0]
+    ctx.padding_idx = padding_idx + weight.shape[0] if padding_idx is not None and padding_idx < 0 else padding_idx
+    slot = current_tied_slot()
+    ctx.slot = slot if slot is not None and slot.register_embedding(ctx) else None
+
+
+def _backward(ctx, grad_out):
+    if grad_out is None or not ctx.needs_input_grad[1]:
+        return None, None, None
+    (ids,) = ctx.saved_tensors
+    head_grad = ctx.slot.take() if ctx.slot is not None else None
+    if head_grad is not None:  # eager: the tied head's [V, H] gradient, our rows added in place
+        return None, embedding_backward_accumulate_(head_grad, ids, grad_out, ctx.padding_idx), None
+    return None, embedding_backward_op(grad_out, ids, ctx.n_embeddings, ctx.padding_idx), None
+
+
+embedding_op.register_autograd(_backward, setup_context=_setup_context)

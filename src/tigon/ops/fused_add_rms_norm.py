@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -29,7 +31,7 @@ def fused_add_rms_norm_op(x: Tensor, residual: Tensor, weight: Optional[Tensor],
 def _(x, residual, weight, eps, offset, casting, inplace):
     check_norm_args(x, weight, casting, offset, residual=residual)
     return (x.new_empty(x.shape, dtype=_rms_norm_out_dtype(x, weight, casting)), x.new_empty(x.shape),
-            x.new_empty(x.shape[:-1].numel(), dtype=torch.float32))
+            x.new_empty(math.prod(x.shape[:-1]), dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):

@@ -14,11 +14,20 @@ one chunk), and fewer read-modify-writes of dW; smaller chunks mean less memory.
 accumulated by cuBLAS in fp32 within each chunk and stored in W's dtype between chunks (one
 rounding per chunk); ``accum_dtype=torch.float32`` keeps an fp32 accumulator instead, at
 V * H * 4 bytes.
+
+Custom ops: ``torch.ops.tigon.fused_linear_cross_entropy`` returns the gradients it forms as
+extra (non-differentiable) outputs, saved for its registered backward, which scales them
+(``scaled_gradient``: in place in eager when the graph is freed); reduction "none" recomputes in
+``tigon::fused_linear_cross_entropy_backward``. With tied embeddings the backward may hand dW to
+the embedding's (``TiedGradSlot`` in tigon.ops.embedding; eager only).
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+from torch import Tensor
 
 from tigon.ops._common import (
     accumulate_mm,
@@ -29,14 +38,20 @@ from tigon.ops._common import (
     new_output,
 )
 from tigon.ops.cross_entropy import (
+    N_OPTIONS,
     CrossEntropyOptions,
-    check_cross_entropy_options,
+    check_label_range,
+    check_option_values,
+    check_target_and_class_weight,
     cross_entropy_norms,
     cross_entropy_rows,
-    reduce_loss_rows,
+    fake_op_loss_outputs,
+    kernel_target_and_options,
+    op_loss_outputs,
     scale_rows,
     scaled_gradient,
 )
+from tigon.ops.embedding import current_tied_slot
 
 
 def chunk_rows_for_budget(n_rows: int, vocab: int, element_size: int, budget_bytes: int) -> int:
@@ -123,62 +138,172 @@ def check_flce_args(x, weight, target, bias):
     check_same_device(x=x, weight=weight, target=target, bias=bias)
 
 
-class FusedLinearCrossEntropyFunction(torch.autograd.Function):
-    """(loss, z_loss, token_accuracy, predicted_tokens) of cross_entropy(x @ weight^T + bias,
-    target); the extras are None unless ``opts`` asks for them."""
+def check_accum_dtype(accum_dtype) -> None:
+    if accum_dtype not in (None, torch.float32):
+        raise ValueError(f"accum_dtype must be None (weight's dtype) or torch.float32, got {accum_dtype!r}")
 
-    @staticmethod
-    def forward(ctx, x, weight, target, bias, opts: CrossEntropyOptions, chunk_budget=None, accum_dtype=None,
-                grad_enabled=True, tied_slot=None):
-        check_flce_args(x, weight, target, bias)
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        target, opts = check_cross_entropy_options(target.reshape(-1), x2.shape[0], weight.shape[0], opts)
-        check_same_device(x=x, ce_weight=opts.weight)
-        if accum_dtype not in (None, torch.float32):
-            raise ValueError(f"accum_dtype must be None (weight's dtype) or torch.float32, got {accum_dtype!r}")
-        norms = cross_entropy_norms(target, opts)
-        chunk_rows = chunk_rows_for_budget(x2.shape[0], weight.shape[0], x2.element_size(),
-                                           chunk_budget_bytes(chunk_budget))
-        need = [n and grad_enabled for n in ctx.needs_input_grad]  # forward runs with grad mode off
-        deferred = opts.reduction == "none"
-        loss_rows, z_rows, predicted, dx, dw, db = flce_chunks(
-            x2, weight, bias, target, norms, opts, need_dx=need[0] and not deferred,
-            need_dw=need[1] and not deferred, need_db=bias is not None and need[3] and not deferred,
-            accum_dtype=accum_dtype, chunk_rows=chunk_rows)
-        outputs = reduce_loss_rows(loss_rows, z_rows, predicted, norms, target, opts)
-        ctx.deferred = deferred
-        ctx.tied_slot = tied_slot
-        ctx.x_shape = x.shape
-        ctx.param_dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        if deferred:
-            ctx.save_for_backward(x2, weight, bias, target, norms)
-            ctx.opts, ctx.accum_dtype, ctx.chunk_rows = opts, accum_dtype, chunk_rows
-        else:
-            ctx.save_for_backward(dx, dw, db)
-        ctx.mark_non_differentiable(*(t for t in outputs[1:] if t is not None))
-        return outputs
 
-    @staticmethod
-    def backward(ctx, grad_loss, *_grad_extras):
-        need = ctx.needs_input_grad
-        if ctx.deferred:  # recomputed from the saved inputs: nothing saved is modified
-            x2, weight, bias, target, norms = ctx.saved_tensors
-            _, _, _, dx, dw, db = flce_chunks(
-                x2, weight, bias, target, norms, ctx.opts, need_dx=need[0], need_dw=need[1],
-                need_db=bias is not None and need[3], accum_dtype=ctx.accum_dtype, chunk_rows=ctx.chunk_rows,
-                row_scale=grad_loss.reshape(-1).to(torch.float32))
+def checked_flce_options(chunk_budget, accum_dtype) -> tuple[int, torch.dtype | None]:
+    """(chunk budget in bytes, None for the default; accum_dtype None or torch.float32), checked
+    with a ValueError naming the argument."""
+    budget = chunk_budget_bytes(chunk_budget)
+    check_accum_dtype(accum_dtype)
+    return budget, accum_dtype
+
+
+def _check_args(x, weight, target, bias, opts, accum_dtype):
+    """Metadata checks of both ops, for their real and fake implementations (the plain values,
+    which a fake implementation may get as symbolic ints, in ``_check_values``)."""
+    check_accum_dtype(accum_dtype)  # an output's dtype
+    check_flce_args(x, weight, target, bias)
+    check_target_and_class_weight(target.reshape(-1), target.numel(), weight.shape[0], opts.weight)
+    check_same_device(x=x, ce_weight=opts.weight)
+
+
+def _check_values(opts, chunk_budget, accum_dtype):
+    """The plain values (real implementations; the functional entry checks them first)."""
+    check_option_values(opts)
+    checked_flce_options(chunk_budget, accum_dtype)
+
+
+def _kernel_inputs(x, weight, target, opts, chunk_budget):
+    """(x2 [rows, H] with unit last stride, target [rows] and opts as the kernel reads them, rows per chunk)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    target, opts = kernel_target_and_options(target.reshape(-1), opts)
+    return x2, target, opts, chunk_rows_for_budget(x2.shape[0], weight.shape[0], x2.element_size(), chunk_budget)
+
+
+def _gradient_outputs(x, weight, dx, dw, db):
+    """(dx [x.shape], dw [V, H], db fp32 [V]) as the ops return them: empty where not computed."""
+    return (dx.view(x.shape) if dx is not None else x.new_empty(0),
+            dw if dw is not None else weight.new_empty(0),
+            db if db is not None else x.new_empty(0, dtype=torch.float32))
+
+
+def _fake_gradient_outputs(x, weight, accum_dtype, need_dx, need_dw, need_db):
+    return (x.new_empty(x.shape) if need_dx else x.new_empty(0),
+            weight.new_empty(weight.shape, dtype=accum_dtype or weight.dtype) if need_dw else weight.new_empty(0),
+            x.new_empty(weight.shape[0], dtype=torch.float32) if need_db else x.new_empty(0, dtype=torch.float32))
+
+
+# ---- custom ops: torch.ops.tigon.fused_linear_cross_entropy and its backward ----
+#
+# Schema: x, weight, target, bias, then CrossEntropyOptions' fields in order (as
+# tigon::cross_entropy's), chunk_budget (bytes), accum_dtype, and which gradients to form.
+
+@torch.library.custom_op("tigon::fused_linear_cross_entropy", mutates_args=())
+def fused_linear_cross_entropy_op(
+    x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int, reduction: str,
+    label_smoothing: float, class_weight: Optional[Tensor], lse_square_scale: float, softcap: Optional[float],
+    use_token_scaling: bool, return_z_loss: bool, return_token_accuracy: bool, return_predicted_tokens: bool,
+    chunk_budget: int, accum_dtype: Optional[torch.dtype], need_dx: bool, need_dw: bool, need_db: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, z_loss, token_accuracy, predicted_tokens, dx, dw, db) of cross_entropy(x @ weight.T +
+    bias, target), x [..., H], weight [V, H], target [...]. With reduction "mean" / "sum" the
+    gradients the need_* flags ask for are formed here, for grad_output 1: dx [..., H] in x's
+    dtype, dw [V, H] in accum_dtype (or weight's), db fp32 [V]; the others, and all three for
+    "none" (whose backward recomputes them), are empty. The loss outputs as tigon::cross_entropy's."""
+    opts = CrossEntropyOptions(ignore_index, reduction, label_smoothing, class_weight, lse_square_scale, softcap,
+                               use_token_scaling, return_z_loss, return_token_accuracy, return_predicted_tokens)
+    _check_values(opts, chunk_budget, accum_dtype)
+    _check_args(x, weight, target, bias, opts, accum_dtype)
+    check_label_range(target, weight.shape[0], opts.ignore_index)
+    x2, target, opts, chunk_rows = _kernel_inputs(x, weight, target, opts, chunk_budget)
+    norms = cross_entropy_norms(target, opts)
+    in_forward = reduction != "none"  # "none": the gradient depends on each row's grad_output
+    loss_rows, z_rows, predicted, dx, dw, db = flce_chunks(
+        x2, weight, bias, target, norms, opts, need_dx=need_dx and in_forward, need_dw=need_dw and in_forward,
+        need_db=bias is not None and need_db and in_forward, accum_dtype=accum_dtype, chunk_rows=chunk_rows)
+    return (*op_loss_outputs(loss_rows, z_rows, predicted, norms, target, opts, x2),
+            *_gradient_outputs(x, weight, dx, dw, db))
+
+
+@fused_linear_cross_entropy_op.register_fake
+def _(x, weight, target, bias, *args):
+    opts = CrossEntropyOptions(*args[:N_OPTIONS])
+    _chunk_budget, accum_dtype, need_dx, need_dw, need_db = args[N_OPTIONS:]
+    _check_args(x, weight, target, bias, opts, accum_dtype)
+    in_forward = opts.reduction != "none"
+    return (*fake_op_loss_outputs(target.numel(), opts, x),
+            *_fake_gradient_outputs(x, weight, accum_dtype, need_dx and in_forward, need_dw and in_forward,
+                                    bias is not None and need_db and in_forward))
+
+
+@torch.library.custom_op("tigon::fused_linear_cross_entropy_backward", mutates_args=())
+def fused_linear_cross_entropy_backward_op(
+    grad_loss: Tensor, x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int,
+    reduction: str, label_smoothing: float, class_weight: Optional[Tensor], lse_square_scale: float,
+    softcap: Optional[float], use_token_scaling: bool, return_z_loss: bool, return_token_accuracy: bool,
+    return_predicted_tokens: bool, chunk_budget: int, accum_dtype: Optional[torch.dtype], need_dx: bool,
+    need_dw: bool, need_db: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dw, db) as tigon::fused_linear_cross_entropy's, for per-row grad_output grad_loss
+    [rows] (reduction "none"): each chunk's logits are formed again (four matmuls)."""
+    opts = CrossEntropyOptions(ignore_index, reduction, label_smoothing, class_weight, lse_square_scale, softcap,
+                               use_token_scaling, return_z_loss, return_token_accuracy, return_predicted_tokens)
+    _check_values(opts, chunk_budget, accum_dtype)
+    _check_args(x, weight, target, bias, opts, accum_dtype)
+    x2, target, opts, chunk_rows = _kernel_inputs(x, weight, target, opts, chunk_budget)
+    _, _, _, dx, dw, db = flce_chunks(
+        x2, weight, bias, target, cross_entropy_norms(target, opts), opts, need_dx=need_dx, need_dw=need_dw,
+        need_db=bias is not None and need_db, accum_dtype=accum_dtype, chunk_rows=chunk_rows,
+        row_scale=grad_loss.reshape(-1).to(torch.float32))
+    return _gradient_outputs(x, weight, dx, dw, db)
+
+
+@fused_linear_cross_entropy_backward_op.register_fake
+def _(grad_loss, x, weight, target, bias, *args):
+    opts = CrossEntropyOptions(*args[:N_OPTIONS])
+    _chunk_budget, accum_dtype, need_dx, need_dw, need_db = args[N_OPTIONS:]
+    _check_args(x, weight, target, bias, opts, accum_dtype)
+    return _fake_gradient_outputs(x, weight, accum_dtype, need_dx, need_dw, bias is not None and need_db)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, target, bias = inputs[:4]
+    options = inputs[4:4 + N_OPTIONS]
+    chunk_budget, accum_dtype, need_dx, need_dw, need_db = inputs[4 + N_OPTIONS:]
+    ctx.set_materialize_grads(False)  # the extras' gradients arrive as None
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.formed = (need_dx, need_dw, bias is not None and need_db)  # the gradients the forward was asked for
+    ctx.per_row = options[1] == "none"
+    ctx.param_dtypes = (weight.dtype, None if bias is None else bias.dtype)
+    if ctx.per_row:  # the backward recomputes from the inputs
+        ctx.save_for_backward(x, target)
+        # Parameters (and the class weights): kept, not saved (see the note in tigon.ops._common).
+        ctx.weight, ctx.bias, ctx.options = weight, bias, options
+        ctx.chunk_budget, ctx.accum_dtype = chunk_budget, accum_dtype
+    else:
+        ctx.save_for_backward(*output[4:])
+    ctx.tied_slot = current_tied_slot()  # eager only: None under torch.compile
+
+
+def _backward(ctx, grad_loss, *_grads_of_extras):
+    need_dx, need_dw, need_db = (formed and needed for formed, needed in
+                                 zip(ctx.formed, (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                                                  ctx.needs_input_grad[3])))
+    dx = dw = db = None
+    if grad_loss is not None and (need_dx or need_dw or need_db):
+        if ctx.per_row:
+            x, target = ctx.saved_tensors
+            dx, dw, db = fused_linear_cross_entropy_backward_op(
+                grad_loss, x, ctx.weight, target, ctx.bias, *ctx.options, ctx.chunk_budget, ctx.accum_dtype,
+                need_dx, need_dw, need_db)
         else:
             dx, dw, db = ctx.saved_tensors
             scale = grad_loss.reshape(1).to(torch.float32)
-            dx = scaled_gradient(dx, scale) if dx is not None else None
-            dw = scaled_gradient(dw, scale) if dw is not None else None
-            db = db * scale if db is not None else None
+            dx = scaled_gradient(dx, scale) if need_dx else None
+            dw = scaled_gradient(dw, scale) if need_dw else None
+            db = db * scale if need_db else None
         w_dtype, b_dtype = ctx.param_dtypes
-        dx = dx.view(ctx.x_shape) if dx is not None else None
-        dw = dw.to(w_dtype) if dw is not None else None
-        db = db.to(b_dtype) if db is not None else None
+        dx = dx if need_dx else None
+        dw = dw.to(w_dtype) if need_dw else None
+        db = db.to(b_dtype) if need_db else None
         if dw is not None and ctx.tied_slot is not None and ctx.tied_slot.offer(dw):
             dw = None  # the tied embedding's backward adds its rows into it and returns the sum
-        return dx, dw, None, db, None, None, None, None, None
+    return (dx, dw, None, db) + (None,) * (N_OPTIONS + 5)
+
+
+fused_linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from tigon.ops._common import (
     as_rows,
@@ -142,14 +143,15 @@ def check_activation(activation, **multipliers):
             raise TypeError(f"{name} must be a number, got {value!r}")
 
 
-def check_glu_args(a, b, activation, **multipliers):
+def check_glu_args(a, b, activation):
+    """The op's own checks (fake-safe); the callers check the multipliers' types before it."""
+    check_activation(activation)
     check_tensor("a", a, min_ndim=1)
     check_tensor("b", b, min_ndim=1)
     if a.shape != b.shape:
         raise ValueError(f"a has shape {tuple(a.shape)} but b has shape {tuple(b.shape)}")
     check_same_dtype(a=a, b=b)
     check_same_device(a=a, b=b)
-    check_activation(activation, **multipliers)
 
 
 def glu_forward(a2, b2, activation, out=None, gate_multiplier=1.0, out_multiplier=1.0):
@@ -181,21 +183,51 @@ def glu_backward(dc2, a2, b2, activation, da_out=None, db_out=None, gate_multipl
     return da, db
 
 
-class GLUFunction(torch.autograd.Function):
-    """c = act(a * gate_multiplier) * b * out_multiplier; saves a and b, recomputes act in the backward."""
+# ---- custom ops: torch.ops.tigon.glu and its backward (see tigon.ops.rms_norm) ----
+#
+# The callers (tigon.functional.glu) check the multipliers before the op: its schema would
+# refuse a non-number with an error that does not name them.
 
-    @staticmethod
-    def forward(ctx, a, b, activation="silu", gate_multiplier=1.0, out_multiplier=1.0):
-        check_glu_args(a, b, activation, gate_multiplier=gate_multiplier, out_multiplier=out_multiplier)
-        a2, b2 = as_rows(a), as_rows(b)
-        c = glu_forward(a2, b2, activation, gate_multiplier=gate_multiplier, out_multiplier=out_multiplier)
-        ctx.save_for_backward(a2, b2)
-        ctx.activation, ctx.scales = activation, (gate_multiplier, out_multiplier)
-        return c.view(a.shape)
 
-    @staticmethod
-    def backward(ctx, dc):
-        a2, b2 = ctx.saved_tensors
-        gate_multiplier, out_multiplier = ctx.scales
-        da, db = glu_backward(as_rows(dc), a2, b2, ctx.activation, gate_multiplier=gate_multiplier, out_multiplier=out_multiplier)
-        return da.view(dc.shape), db.view(dc.shape), None, None, None
+@torch.library.custom_op("tigon::glu", mutates_args=())
+def glu_op(a: Tensor, b: Tensor, activation: str, gate_multiplier: float, out_multiplier: float) -> Tensor:
+    """c = act(a * gate_multiplier) * b * out_multiplier, contiguous, of a, b [..., I]."""
+    check_glu_args(a, b, activation)
+    c = glu_forward(as_rows(a), as_rows(b), activation, gate_multiplier=gate_multiplier,
+                    out_multiplier=out_multiplier)
+    return c.view(a.shape)
+
+
+@glu_op.register_fake
+def _(a, b, activation, gate_multiplier, out_multiplier):
+    check_glu_args(a, b, activation)
+    return a.new_empty(a.shape)
+
+
+@torch.library.custom_op("tigon::glu_backward", mutates_args=())
+def glu_backward_op(dc: Tensor, a: Tensor, b: Tensor, activation: str, gate_multiplier: float,
+                    out_multiplier: float) -> tuple[Tensor, Tensor]:
+    """(da, db), contiguous, for the gradient dc of glu_op's output; act is recomputed."""
+    da, db = glu_backward(as_rows(dc), as_rows(a), as_rows(b), activation, gate_multiplier=gate_multiplier,
+                          out_multiplier=out_multiplier)
+    return da.view(a.shape), db.view(a.shape)
+
+
+@glu_backward_op.register_fake
+def _(dc, a, b, activation, gate_multiplier, out_multiplier):
+    return a.new_empty(a.shape), a.new_empty(a.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    a, b, activation, gate_multiplier, out_multiplier = inputs
+    ctx.save_for_backward(a, b)
+    ctx.activation, ctx.multipliers = activation, (gate_multiplier, out_multiplier)
+
+
+def _backward(ctx, dc):
+    a, b = ctx.saved_tensors
+    da, db = glu_backward_op(dc, a, b, ctx.activation, *ctx.multipliers)
+    return da, db, None, None, None
+
+
+glu_op.register_autograd(_backward, setup_context=_setup_context)

@@ -1,7 +1,9 @@
 """Generalised Jensen-Shannon divergence between a student and a teacher distribution, with the
-student's gradient written in the forward pass: over logits per row (``LinearJSDFunction``, the
-chunked distillation loss's op), and over log-probabilities averaged over rows (``JSDFunction``,
-what Liger's ``LigerJSD`` computes).
+student's gradient written in the forward pass: over logits per row (``torch.ops.tigon.linear_jsd``,
+the chunked distillation loss's op), and over log-probabilities averaged over rows
+(``torch.ops.tigon.jsd``, what Liger's ``LigerJSD`` computes). Both are torch.library custom ops
+with their autograd registered (``tigon.functional`` calls them); the gradient they form in the
+forward is a second, non-differentiable output, kept for the backward.
 
 With P the student's distribution and Q the teacher's, per row:
     beta = 0:  KL(Q || P) = sum Q (log Q - log P)                       (forward KL)
@@ -26,22 +28,33 @@ over the row (no renormalisation) and the gradient is with respect to X itself,
 so one pass over each row forms both. Backpropagated through a log_softmax it gives the
 logits' gradient above.
 
-x [N, H] -> ``LinearJSDFunction`` forms both heads' logits for a chunk of rows and keeps the
+x [N, H] -> ``linear_jsd`` forms both heads' logits for a chunk of rows and keeps the
 student's gradient, like ``linear_token_logps``: the chunked distillation loss is built on it.
+``jsd``'s backward scales its saved gradient by grad_output: in place in eager when the graph
+is freed after that backward; otherwise (retained graph, or traced by torch.compile) into a new
+tensor through ``torch.ops.tigon.jsd_backward``.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
-from tigon.ops._common import as_rows, check_same_device, check_tensor, new_output, next_pow2
-from tigon.ops._internals import launch
-from tigon.ops.cross_entropy import scaled_gradient
-from tigon.ops.linear_token_logps import keep_logit_grad, linear_head_logits, linear_head_rows_backward
+from tigon.ops._common import as_rows, check_same_device, check_tensor, new_output, next_pow2, traced
+from tigon.ops._internals import graph_retained, launch
+from tigon.ops.cross_entropy import scale_rows
+from tigon.ops.linear_token_logps import (
+    check_linear_head,
+    fake_logit_grad,
+    keep_logit_grad,
+    linear_head_logits,
+    linear_head_rows_backward,
+)
 
 FORWARD_KL, REVERSE_KL, MIXED = 0, 1, 2
 
@@ -225,43 +238,53 @@ def jsd_rows(student, teacher, grad, beta, temperature):
     return loss
 
 
-class LinearJSDFunction(torch.autograd.Function):
-    """(loss [N] fp32, G [N, V]) of the divergence between x @ weight^T + bias (student) and
-    teacher_x @ teacher_weight^T + teacher_bias (no gradient), per row. G is the student
-    logits' saved gradient (not differentiable), returned so that setup_context can keep it."""
+def check_linear_jsd_args(x, weight, bias, teacher_x, teacher_weight, teacher_bias):
+    """Metadata checks of tigon::linear_jsd (its real and fake implementations)."""
+    check_linear_head(x, weight, bias)
+    check_linear_head(teacher_x, teacher_weight, teacher_bias, prefix="teacher_")
+    if teacher_x.shape[0] != x.shape[0]:
+        raise ValueError(f"x has {x.shape[0]} rows but teacher_x has {teacher_x.shape[0]}")
+    if teacher_weight.shape[0] != weight.shape[0]:
+        raise ValueError(f"weight has {weight.shape[0]} classes but teacher_weight has {teacher_weight.shape[0]}: "
+                         "the vocabularies must match")
+    check_same_device(x=x, weight=weight, bias=bias, teacher_x=teacher_x, teacher_weight=teacher_weight,
+                      teacher_bias=teacher_bias)
 
-    @staticmethod
-    def forward(x, weight, bias, teacher_x, teacher_weight, teacher_bias, beta, temperature, compute_grad=True):
-        check_jsd_options(beta, temperature)
-        beta, temperature = float(beta), float(temperature)
-        for name, xx, w, b in (("", x, weight, bias), ("teacher_", teacher_x, teacher_weight, teacher_bias)):
-            check_tensor(f"{name}x", xx, ndim=2)
-            check_tensor(f"{name}weight", w, ndim=2)
-            if w.shape[1] != xx.shape[1]:
-                raise ValueError(f"{name}weight has shape {tuple(w.shape)} ([V, H]) but {name}x's H is {xx.shape[1]}")
-            if b is not None:
-                check_tensor(f"{name}bias", b, ndim=1)
-                if b.shape[0] != w.shape[0]:
-                    raise ValueError(f"{name}bias has {b.shape[0]} entries but {name}weight has {w.shape[0]} rows")
-        if teacher_x.shape[0] != x.shape[0]:
-            raise ValueError(f"x has {x.shape[0]} rows but teacher_x has {teacher_x.shape[0]}")
-        if teacher_weight.shape[0] != weight.shape[0]:
-            raise ValueError(f"weight has {weight.shape[0]} classes but teacher_weight has {teacher_weight.shape[0]}: "
-                             "the vocabularies must match")
-        check_same_device(x=x, weight=weight, bias=bias, teacher_x=teacher_x, teacher_weight=teacher_weight,
-                          teacher_bias=teacher_bias)
-        student = linear_head_logits(x, weight, bias)
-        teacher = linear_head_logits(teacher_x, teacher_weight, teacher_bias)
-        loss = jsd_rows(student, teacher, student if compute_grad else None, beta, temperature)
-        return loss, student
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        keep_logit_grad(ctx, inputs, output, inputs[8] if len(inputs) > 8 else True)
+# ---- custom op: torch.ops.tigon.linear_jsd ----
 
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_buffer):
-        return linear_head_rows_backward(ctx, grad_loss, "linear_jsd")
+
+@torch.library.custom_op("tigon::linear_jsd", mutates_args=())
+def linear_jsd_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], teacher_x: Tensor, teacher_weight: Tensor,
+                  teacher_bias: Optional[Tensor], beta: float, temperature: float,
+                  compute_grad: bool) -> tuple[Tensor, Tensor]:
+    """(loss [N] fp32, G [N, V] in x's dtype) of the divergence per row between the student
+    x @ weight^T + bias and the teacher teacher_x @ teacher_weight^T + teacher_bias (no
+    gradient). G is the student logits' gradient (not differentiable), kept for the backward;
+    an empty tensor when compute_grad is False. beta and temperature are checked by the caller
+    (``check_jsd_options``)."""
+    check_linear_jsd_args(x, weight, bias, teacher_x, teacher_weight, teacher_bias)
+    student = linear_head_logits(x, weight, bias)
+    teacher = linear_head_logits(teacher_x, teacher_weight, teacher_bias)
+    loss = jsd_rows(student, teacher, student if compute_grad else None, beta, temperature)
+    return loss, student if compute_grad else x.new_empty(0)
+
+
+@linear_jsd_op.register_fake
+def _(x, weight, bias, teacher_x, teacher_weight, teacher_bias, beta, temperature, compute_grad):
+    check_linear_jsd_args(x, weight, bias, teacher_x, teacher_weight, teacher_bias)
+    return x.new_empty(x.shape[0], dtype=torch.float32), fake_logit_grad(x, weight, compute_grad)
+
+
+def _linear_jsd_setup_context(ctx, inputs, output):
+    keep_logit_grad(ctx, inputs, output, inputs[8])
+
+
+def _linear_jsd_backward(ctx, grad_loss, _grad_buffer):
+    return linear_head_rows_backward(ctx, grad_loss, "linear_jsd")
+
+
+linear_jsd_op.register_autograd(_linear_jsd_backward, setup_context=_linear_jsd_setup_context)
 
 
 def jsd_logprobs_rows(student, teacher, labels, scale, grad, beta, ignore_index):
@@ -285,52 +308,122 @@ def jsd_logprobs_rows(student, teacher, labels, scale, grad, beta, ignore_index)
     return loss
 
 
-class JSDFunction(torch.autograd.Function):
-    """Mean over the non-ignored rows of the generalised JSD between student log-probabilities
-    [..., V] (fp32 / bf16 / fp16; the gradient flows here) and teacher log-probabilities of the
-    same shape (no gradient): -> fp32 scalar. target [...] or None: rows whose target is
-    ignore_index count for nothing (their values are not read); all rows ignored gives 0."""
+def check_jsd_args(student, teacher, target):
+    """Metadata checks of tigon::jsd (its real and fake implementations)."""
+    check_tensor("student_logprobs", student, min_ndim=1)
+    check_tensor("teacher_logprobs", teacher, min_ndim=1)
+    if teacher.shape != student.shape:
+        raise ValueError(f"teacher_logprobs has shape {tuple(teacher.shape)} but student_logprobs has "
+                         f"{tuple(student.shape)}: they must match ([..., V], the same vocabulary)")
+    if target is not None:
+        check_tensor("target", target, floating=False)
+        if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+            raise TypeError(f"target must hold integer labels, got dtype {target.dtype}")
+        if target.shape != student.shape[:-1]:
+            raise ValueError(f"target has shape {tuple(target.shape)} but the log-probabilities have "
+                             f"{tuple(student.shape[:-1])} rows ([..., V] -> target [...])")
+    check_same_device(student_logprobs=student, teacher_logprobs=teacher, target=target)
 
-    @staticmethod
-    def forward(ctx, student, teacher, target=None, beta=0.5, ignore_index=-100, grad_enabled=True):
-        check_jsd_options(beta)
-        beta = float(beta)
-        check_tensor("student_logprobs", student, min_ndim=1)
-        check_tensor("teacher_logprobs", teacher, min_ndim=1)
-        if teacher.shape != student.shape:
-            raise ValueError(f"teacher_logprobs has shape {tuple(teacher.shape)} but student_logprobs has "
-                             f"{tuple(student.shape)}: they must match ([..., V], the same vocabulary)")
-        if target is not None:
-            check_tensor("target", target, floating=False)
-            if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
-                raise TypeError(f"target must hold integer labels, got dtype {target.dtype}")
-            if target.shape != student.shape[:-1]:
-                raise ValueError(f"target has shape {tuple(target.shape)} but the log-probabilities have "
-                                 f"{tuple(student.shape[:-1])} rows ([..., V] -> target [...])")
-        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-            raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-        check_same_device(student_logprobs=student, teacher_logprobs=teacher, target=target)
-        student2, teacher2 = as_rows(student), as_rows(teacher)
-        labels = None if target is None else target.reshape(-1).contiguous()  # read by row index
-        n_rows = student2.shape[0]
-        if labels is None:
-            scale = torch.full((1,), 1.0 / max(n_rows, 1), dtype=torch.float32, device=student.device)
-        else:  # on the device: no host sync
-            scale = (1.0 / (labels != ignore_index).sum().clamp_min(1).to(torch.float32)).reshape(1)
-        grad = None
-        if ctx.needs_input_grad[0] and grad_enabled:
-            grad = new_output(student2.shape, student.dtype, student.device)
-        loss = jsd_logprobs_rows(student2, teacher2, labels, scale, grad, beta, ignore_index).sum()
-        ctx.save_for_backward(grad)
-        ctx.has_grad = grad is not None
-        ctx.shape = student.shape
-        return loss
 
-    @staticmethod
-    def backward(ctx, grad_loss):
-        if not ctx.has_grad:
-            raise RuntimeError("jsd ran without a gradient (grad mode was off) but one was asked for")
-        (grad,) = ctx.saved_tensors
-        # In place when the graph is freed after this backward; a new buffer when it is retained.
-        out = scaled_gradient(grad, grad_loss.reshape(1).to(torch.float32))
-        return out.view(ctx.shape), None, None, None, None, None
+def _rows_view(t):
+    """A contiguous [..., V] tensor as [rows, V] (V may be 0)."""
+    return t.view(math.prod(t.shape[:-1]), t.shape[-1])
+
+
+# ---- custom ops: torch.ops.tigon.jsd and its backward ----
+
+
+@torch.library.custom_op("tigon::jsd", mutates_args=())
+def jsd_op(student: Tensor, teacher: Tensor, target: Optional[Tensor], beta: float, ignore_index: int,
+           compute_grad: bool) -> tuple[Tensor, Tensor]:
+    """(loss fp32 [], G) for student and teacher log-probabilities [..., V]: the mean over the
+    rows whose target is not ignore_index (all rows without a target; all ignored gives 0) of
+    the generalised JSD; G [..., V] (contiguous, the student's dtype) is d loss / d student,
+    kept for the backward (not differentiable), an empty tensor when compute_grad is False.
+    Ignored rows are not read. beta and ignore_index are checked by the caller."""
+    check_jsd_args(student, teacher, target)
+    student2, teacher2 = as_rows(student), as_rows(teacher)
+    labels = None if target is None else target.reshape(-1).contiguous()  # read by row index
+    n_rows = student2.shape[0]
+    if labels is None:
+        scale = torch.full((1,), 1.0 / max(n_rows, 1), dtype=torch.float32, device=student.device)
+    else:  # on the device: no host sync
+        scale = (1.0 / (labels != ignore_index).sum().clamp_min(1).to(torch.float32)).reshape(1)
+    grad = new_output(student.shape, student.dtype, student.device) if compute_grad else None
+    loss = jsd_logprobs_rows(student2, teacher2, labels, scale, None if grad is None else _rows_view(grad), beta,
+                             ignore_index).sum()
+    return loss, grad if grad is not None else student.new_empty(0)
+
+
+@jsd_op.register_fake
+def _(student, teacher, target, beta, ignore_index, compute_grad):
+    check_jsd_args(student, teacher, target)
+    return (student.new_empty((), dtype=torch.float32),
+            student.new_empty(student.shape) if compute_grad else student.new_empty(0))
+
+
+@torch.library.custom_op("tigon::jsd_backward", mutates_args=())
+def jsd_backward_op(grad: Tensor, grad_loss: Tensor) -> Tensor:
+    """grad * grad_loss (a one-element tensor) in grad's dtype, into a new contiguous tensor;
+    grad [..., V] (the saved gradient of tigon::jsd) is left as it is."""
+    _check_jsd_backward_args(grad, grad_loss)
+    out = new_output(grad.shape, grad.dtype, grad.device)
+    scale_rows(_rows_view(grad.contiguous()), grad_loss.reshape(1).to(torch.float32), out=_rows_view(out))
+    return out
+
+
+@jsd_backward_op.register_fake
+def _(grad, grad_loss):
+    _check_jsd_backward_args(grad, grad_loss)
+    return grad.new_empty(grad.shape)
+
+
+def _check_jsd_backward_args(grad, grad_loss):
+    check_tensor("grad", grad, min_ndim=1)
+    check_tensor("grad_loss", grad_loss)
+    if grad_loss.numel() != 1:
+        raise ValueError(f"grad_loss must have one element (the loss's gradient), got shape {tuple(grad_loss.shape)}")
+    check_same_device(grad=grad, grad_loss=grad_loss)
+
+
+def _jsd_backward_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _jsd_backward_backward(ctx, d_out):
+    """jsd_backward is linear in each input (a backward over jsd's backward, create_graph=True)."""
+    grad, grad_loss = ctx.saved_tensors
+    d_grad = jsd_backward_op(d_out, grad_loss) if ctx.needs_input_grad[0] else None
+    d_scale = None
+    if ctx.needs_input_grad[1]:
+        d_scale = (d_out.float() * grad.float()).sum().reshape(grad_loss.shape).to(grad_loss.dtype)
+    return d_grad, d_scale
+
+
+jsd_backward_op.register_autograd(_jsd_backward_backward, setup_context=_jsd_backward_setup_context)
+
+
+def _jsd_setup_context(ctx, inputs, output):
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(output[1])
+    ctx.compute_grad = inputs[5]
+
+
+def _jsd_backward(ctx, grad_loss, _grad_buffer):
+    if grad_loss is None:
+        return (None,) * 6
+    if not ctx.compute_grad:
+        raise RuntimeError("jsd ran without a gradient (grad mode was off) but one was asked for")
+    (grad,) = ctx.saved_tensors
+    if not traced(grad, grad_loss) and not graph_retained():
+        # Eager, and the graph is freed after this backward: scale the saved gradient in place
+        # and hand it to autograd (no copy; a grad_output of 1 costs a launch, no pass).
+        out = grad
+        scale_rows(_rows_view(grad), grad_loss.reshape(1).to(torch.float32))
+    else:  # retained (it is read again by the next backward), or traced: a new tensor
+        out = jsd_backward_op(grad, grad_loss)
+    return out, None, None, None, None, None
+
+
+jsd_op.register_autograd(_jsd_backward, setup_context=_jsd_setup_context)

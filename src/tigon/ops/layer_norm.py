@@ -6,9 +6,14 @@ weight and bias are each optional; their gradients are reduced in fp32 without a
 
 from __future__ import annotations
 
+from typing import Optional
+
+import math
+
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from tigon.ops._common import (
     as_rows,
@@ -106,54 +111,114 @@ def check_layer_norm_args(x, weight, bias):
     return tuple(p if p is None or p.is_contiguous() else p.contiguous() for p in (weight, bias))
 
 
-class LayerNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps=1e-5):
-        weight, bias = check_layer_norm_args(x, weight, bias)
-        x2 = as_rows(x)
-        n_rows, n_cols = x2.shape
-        block_m, block_n, num_warps, _ = row_block_config(n_cols)
-        y = new_output((n_rows, n_cols), x.dtype, x.device)
-        mean = new_output((n_rows,), torch.float32, x.device)
-        rstd = new_output((n_rows,), torch.float32, x.device)
-        if n_rows and n_cols:
-            launch(layer_norm_forward_kernel, (cdiv(n_rows, block_m),),
-                x2, x2.stride(0), y, y.stride(0),
-                weight if weight is not None else x2, bias if bias is not None else x2, mean, rstd,
-                n_rows, n_cols, float(eps),
-                HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-            )
-        ctx.save_for_backward(x2, weight, mean, rstd)
-        ctx.has_bias = bias is not None
-        ctx.param_dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
-        return y.view(x.shape)
+def layer_norm_forward(x, weight, bias, eps):
+    """x [..., N] -> (y [..., N] contiguous in x's dtype, mean, rstd fp32 [rows])."""
+    weight, bias = check_layer_norm_args(x, weight, bias)
+    x2 = as_rows(x)
+    n_rows, n_cols = x2.shape
+    block_m, block_n, num_warps, _ = row_block_config(n_cols)
+    y = new_output((n_rows, n_cols), x.dtype, x.device)
+    mean = new_output((n_rows,), torch.float32, x.device)
+    rstd = new_output((n_rows,), torch.float32, x.device)
+    if n_rows and n_cols:
+        launch(layer_norm_forward_kernel, (cdiv(n_rows, block_m),),
+            x2, x2.stride(0), y, y.stride(0),
+            weight if weight is not None else x2, bias if bias is not None else x2, mean, rstd,
+            n_rows, n_cols, eps,
+            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )
+    return y.view(x.shape), mean, rstd
 
-    @staticmethod
-    def backward(ctx, dy):
-        x2, weight, mean, rstd = ctx.saved_tensors
-        dy2 = as_rows(dy)
-        n_rows, n_cols = x2.shape
-        block_m, block_n, num_warps, per_sm = row_block_config(n_cols, backward=True)
-        compute_dw = weight is not None and ctx.needs_input_grad[1]
-        compute_db = ctx.has_bias and ctx.needs_input_grad[2]
-        dx = new_output((n_rows, n_cols), x2.dtype, x2.device)
-        n_programs = persistent_programs(x2.device, cdiv(n_rows, block_m), per_sm)
-        dw_partial = new_output((n_programs, n_cols), torch.float32, x2.device) if compute_dw else None
-        db_partial = new_output((n_programs, n_cols), torch.float32, x2.device) if compute_db else None
-        if n_rows and n_cols:
-            launch(layer_norm_backward_kernel, (n_programs,),
-                dy2, dy2.stride(0), x2, x2.stride(0), weight if weight is not None else x2,
-                mean, rstd, dx, dx.stride(0),
-                dw_partial if compute_dw else mean, db_partial if compute_db else mean,
-                n_rows, n_cols,
-                HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
-                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-            )
-        w_dtype, b_dtype = ctx.param_dtypes
-        dw = db = None
-        if compute_dw:
-            dw = dw_partial.sum(0).to(w_dtype) if n_rows else torch.zeros(n_cols, dtype=w_dtype, device=x2.device)
-        if compute_db:
-            db = db_partial.sum(0).to(b_dtype) if n_rows else torch.zeros(n_cols, dtype=b_dtype, device=x2.device)
-        return dx.view(dy.shape), dw, db, None
+
+def layer_norm_backward(dy, x, weight, bias, mean, rstd, compute_dw, compute_db):
+    """(dx like x, dw, db) of layer_norm_forward; dw / db None when not computed."""
+    x2, dy2 = as_rows(x), as_rows(dy)
+    weight = weight if weight is None or weight.is_contiguous() else weight.contiguous()
+    n_rows, n_cols = x2.shape
+    block_m, block_n, num_warps, per_sm = row_block_config(n_cols, backward=True)
+    compute_dw = compute_dw and weight is not None
+    compute_db = compute_db and bias is not None
+    dx = new_output((n_rows, n_cols), x2.dtype, x2.device)
+    n_programs = persistent_programs(x2.device, cdiv(n_rows, block_m), per_sm)
+    dw_partial = new_output((n_programs, n_cols), torch.float32, x2.device) if compute_dw else None
+    db_partial = new_output((n_programs, n_cols), torch.float32, x2.device) if compute_db else None
+    if n_rows and n_cols:
+        launch(layer_norm_backward_kernel, (n_programs,),
+            dy2, dy2.stride(0), x2, x2.stride(0), weight if weight is not None else x2,
+            mean, rstd, dx, dx.stride(0),
+            dw_partial if compute_dw else mean, db_partial if compute_db else mean,
+            n_rows, n_cols,
+            HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )
+    dw = db = None
+    if compute_dw:
+        dw = dw_partial.sum(0).to(weight.dtype) if n_rows else x2.new_zeros(n_cols, dtype=weight.dtype)
+    if compute_db:
+        db = db_partial.sum(0).to(bias.dtype) if n_rows else x2.new_zeros(n_cols, dtype=bias.dtype)
+    return dx.view(x.shape), dw, db
+
+
+# ---- custom ops: torch.ops.tigon.layer_norm and its backward (see tigon.ops.rms_norm) ----
+
+
+@torch.library.custom_op("tigon::layer_norm", mutates_args=())
+def layer_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """(y [..., N], mean fp32 [rows], rstd fp32 [rows]) of x [..., N]."""
+    return layer_norm_forward(x, weight, bias, eps)
+
+
+@layer_norm_op.register_fake
+def _(x, weight, bias, eps):
+    check_layer_norm_args(x, weight, bias)
+    n_rows = math.prod(x.shape[:-1])
+    return (x.new_empty(x.shape), x.new_empty(n_rows, dtype=torch.float32),
+            x.new_empty(n_rows, dtype=torch.float32))
+
+
+@torch.library.custom_op("tigon::layer_norm_backward", mutates_args=())
+def layer_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor,
+                           rstd: Tensor, compute_dw: bool, compute_db: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx like x, dw like weight, db like bias), each of the last two empty when not computed
+    (bias is read for its dtype only)."""
+    dx, dw, db = layer_norm_backward(dy, x, weight, bias, mean, rstd, compute_dw, compute_db)
+    return dx, _or_empty(dw, x), _or_empty(db, x)
+
+
+@layer_norm_backward_op.register_fake
+def _(dy, x, weight, bias, mean, rstd, compute_dw, compute_db):
+    return (x.new_empty(x.shape), _fake_param_grad(weight, compute_dw, x), _fake_param_grad(bias, compute_db, x))
+
+
+def _or_empty(t, like):
+    return t if t is not None else like.new_empty(0)
+
+
+def _fake_param_grad(param, compute, x):
+    return param.new_empty(param.shape) if compute and param is not None else x.new_empty(0)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, _ = inputs
+    _, mean, rstd = output
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(x, mean, rstd)
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.params = (weight, bias)  # parameters: kept, not saved (see the note in tigon.ops._common)
+    ctx.needs_param_grads = (weight is not None and ctx.needs_input_grad[1],
+                             bias is not None and ctx.needs_input_grad[2])
+
+
+def _backward(ctx, dy, _dmean, _drstd):
+    if dy is None:
+        return None, None, None, None
+    x, mean, rstd = ctx.saved_tensors
+    weight, bias = ctx.params
+    compute_dw, compute_db = ctx.needs_param_grads
+    dx, dw, db = layer_norm_backward_op(dy, x, weight, bias, mean, rstd, compute_dw, compute_db)
+    return dx, dw if compute_dw else None, db if compute_db else None, None
+
+
+layer_norm_op.register_autograd(_backward, setup_context=_setup_context)

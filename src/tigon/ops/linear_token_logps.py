@@ -4,27 +4,66 @@ logp[i] = log softmax(x[i] @ W^T + b)[target[i]], 0 where target[i] == ignore_in
 x [N, H] (fp32 / bf16 / fp16), weight [V, H], bias [V] or None, target [N] int -> logp [N] fp32.
 
 The forward forms the [N, V] logits in x's dtype, and the cross-entropy kernel turns them in
-place into d(-logp) / d logits = softmax - onehot (zero rows where ignored), which is kept for
-the backward. The caller walks the batch in chunks, so one chunk's logits are the memory cost.
-The backward is two matmuls (and a matrix-vector product for the bias) with the per-row
-grad_output folded into the [N, H] operands, never into the [N, V] buffer:
+place into d(-logp) / d logits = softmax - onehot (zero rows where ignored), which the op
+returns as a second (non-differentiable) output and its autograd keeps for the backward. The
+caller walks the batch in chunks, so one chunk's logits are the memory cost. The backward is
+two matmuls (and a matrix-vector product for the bias) with the per-row grad_output folded into
+the [N, H] operands, never into the [N, V] buffer:
     dx = -(G @ W) * g[:, None],   dW = -G^T @ (x * g[:, None]),   db = -G^T @ g.
-No extra kernel: the Triton work is cross_entropy_kernel's. Written in the setup_context
-style, so torch.func.grad_and_value (the chunked base) can transform it.
+No extra kernel: the Triton work is cross_entropy_kernel's, and the backward is torch matmuls
+(traced as such by torch.compile).
+
+The op is ``torch.ops.tigon.linear_token_logps`` (a torch.library custom op with its autograd
+registered; ``tigon.functional.linear_token_logps`` calls it). Like every custom op with a
+registered autograd it is not transformable by torch.func (grad, vmap): differentiate it with
+torch.autograd, as the chunked losses do.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import Optional
 
+import torch
+from torch import Tensor
+
+from tigon.ops._common import check_same_device, check_tensor, new_output
 from tigon.ops.cross_entropy import (
     CrossEntropyOptions,
     check_cross_entropy_options,
     cross_entropy_norms,
     cross_entropy_rows,
 )
-from tigon.ops.fused_linear_cross_entropy import check_flce_args
-from tigon.ops._common import new_output
+
+
+def check_ignore_index(ignore_index) -> None:
+    """``ignore_index`` must be an int (checked before the op: its schema's error is vaguer)."""
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+
+
+def check_linear_head(x, weight, bias, prefix=""):
+    """x [N, H], weight [V, H], bias [V] or None (floating); metadata only (fake-safe)."""
+    check_tensor(f"{prefix}x", x, ndim=2)
+    check_tensor(f"{prefix}weight", weight, ndim=2)
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(f"{prefix}weight has shape {tuple(weight.shape)} ([V, H]) but {prefix}x's H is {x.shape[1]}")
+    if bias is not None:
+        check_tensor(f"{prefix}bias", bias, ndim=1)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"{prefix}bias has {bias.shape[0]} entries but {prefix}weight has {weight.shape[0]} rows")
+
+
+def check_linear_token_logps_args(x, weight, bias, target):
+    """Metadata checks of the op (the real and the fake implementation): x [N, H], weight
+    [V, H], bias [V] or None, target [N] int64 / int32, one device."""
+    check_linear_head(x, weight, bias)
+    check_tensor("target", target, ndim=1, floating=False)
+    if target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"target must be int64 or int32 class indices, got {target.dtype}")
+    if target.shape[0] != x.shape[0]:
+        raise ValueError(f"target has {target.shape[0]} elements but x has {x.shape[0]} rows "
+                         f"(x {tuple(x.shape)}, target {tuple(target.shape)})")
+    check_same_device(x=x, weight=weight, bias=bias, target=target)
 
 
 def linear_head_logits(x, weight, bias):
@@ -55,48 +94,67 @@ def linear_head_backward(g_logits, x, weight, bias, row_grad, needs):
     return dx, dw, db
 
 
+def fake_logit_grad(x, weight, compute_grad):
+    """The fake of a linear-head row op's second output: G [N, V] in x's dtype, or empty."""
+    return x.new_empty((x.shape[0], weight.shape[0])) if compute_grad else x.new_empty(0)
+
+
 def keep_logit_grad(ctx, inputs, output, compute_grad):
     """setup_context of a linear-head row op: inputs start with (x, weight, bias), output is
-    (rows, G); G is kept for ``linear_head_rows_backward``."""
+    (rows, G); x and G are saved, weight and bias kept (parameters: see the note in
+    tigon.ops._common)."""
+    x, weight, bias = inputs[:3]
     _, grad_logits = output
+    ctx.set_materialize_grads(False)  # G's gradient (never used) arrives as None
     ctx.mark_non_differentiable(grad_logits)
+    ctx.save_for_backward(x, grad_logits)
+    ctx.weight, ctx.bias = weight, bias
     ctx.compute_grad = compute_grad
     ctx.n_inputs = len(inputs)
-    ctx.save_for_backward(*inputs[:3], grad_logits)
 
 
 def linear_head_rows_backward(ctx, row_grad, name):
     """backward of a linear-head row op given the per-row factor (row_grad) on its G."""
+    if row_grad is None:
+        return (None,) * ctx.n_inputs
     if not ctx.compute_grad:
         raise RuntimeError(f"{name} ran without a gradient (compute_grad=False) but one was asked for")
-    x, weight, bias, g_logits = ctx.saved_tensors
-    grads = linear_head_backward(g_logits, x, weight, bias, row_grad, ctx.needs_input_grad[:3])
+    x, g_logits = ctx.saved_tensors
+    grads = linear_head_backward(g_logits, x, ctx.weight, ctx.bias, row_grad, ctx.needs_input_grad[:3])
     return grads + (None,) * (ctx.n_inputs - 3)
 
 
-class LinearTokenLogpsFunction(torch.autograd.Function):
-    """(logp [N] fp32, G [N, V]): G is the saved gradient buffer, returned only so that
-    setup_context can keep it; it is not differentiable. compute_grad=False (no gradient will
-    be asked for) skips writing G."""
+# ---- custom op: torch.ops.tigon.linear_token_logps ----
 
-    @staticmethod
-    def forward(x, weight, bias, target, ignore_index, compute_grad=True):
-        check_flce_args(x, weight, target, bias)
-        if x.ndim != 2 or target.ndim != 1:
-            raise ValueError(f"x must be [N, H] and target [N], got {tuple(x.shape)} and {tuple(target.shape)}")
-        opts = CrossEntropyOptions(ignore_index=ignore_index, reduction="none")
-        target, opts = check_cross_entropy_options(target, x.shape[0], weight.shape[0], opts)
-        logits = linear_head_logits(x, weight, bias)
-        norms = cross_entropy_norms(target, opts)
-        grad = logits if compute_grad else None
-        loss_rows, _, _ = cross_entropy_rows(logits, target, norms, grad, opts)
-        return loss_rows.neg_(), logits
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        keep_logit_grad(ctx, inputs, output, inputs[5] if len(inputs) > 5 else True)
+@torch.library.custom_op("tigon::linear_token_logps", mutates_args=())
+def linear_token_logps_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
+                          compute_grad: bool) -> tuple[Tensor, Tensor]:
+    """(logp fp32 [N], G [N, V] in x's dtype): G = d(-logp) / d logits, the saved gradient (not
+    differentiable); an empty tensor when compute_grad is False (no gradient will be asked for)."""
+    check_linear_token_logps_args(x, weight, bias, target)
+    opts = CrossEntropyOptions(ignore_index=ignore_index, reduction="none")
+    target, opts = check_cross_entropy_options(target, x.shape[0], weight.shape[0], opts)
+    logits = linear_head_logits(x, weight, bias)
+    norms = cross_entropy_norms(target, opts)
+    grad = logits if compute_grad else None
+    loss_rows, _, _ = cross_entropy_rows(logits, target, norms, grad, opts)
+    return loss_rows.neg_(), logits if compute_grad else x.new_empty(0)
 
-    @staticmethod
-    def backward(ctx, grad_logp, _grad_buffer):
-        # G holds d(-logp) / d logits: the row factor is -grad_logp.
-        return linear_head_rows_backward(ctx, grad_logp.neg(), "linear_token_logps")
+
+@linear_token_logps_op.register_fake
+def _(x, weight, bias, target, ignore_index, compute_grad):
+    check_linear_token_logps_args(x, weight, bias, target)
+    return x.new_empty(x.shape[0], dtype=torch.float32), fake_logit_grad(x, weight, compute_grad)
+
+
+def _setup_context(ctx, inputs, output):
+    keep_logit_grad(ctx, inputs, output, inputs[5])
+
+
+def _backward(ctx, grad_logp, _grad_buffer):
+    # G holds d(-logp) / d logits: the row factor is -grad_logp.
+    return linear_head_rows_backward(ctx, None if grad_logp is None else grad_logp.neg(), "linear_token_logps")
+
+
+linear_token_logps_op.register_autograd(_backward, setup_context=_setup_context)

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -239,7 +241,7 @@ def rms_norm_op(x: Tensor, weight: Optional[Tensor], eps: float, offset: float, 
 def _(x, weight, eps, offset, casting, inplace):
     check_norm_args(x, weight, casting, offset)
     return x.new_empty(x.shape, dtype=_rms_norm_out_dtype(x, weight, casting)), \
-        x.new_empty(x.shape[:-1].numel(), dtype=torch.float32)
+        x.new_empty(math.prod(x.shape[:-1]), dtype=torch.float32)
 
 
 @torch.library.custom_op("tigon::rms_norm_backward", mutates_args=())

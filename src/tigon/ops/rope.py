@@ -10,9 +10,12 @@ kernel at those positions. cos and sin are constants (no gradient), as HF comput
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from tigon.ops._common import (
     capturing,
@@ -175,9 +178,23 @@ def new_with_strides(shape, dtype, device, strides=None):
     return poison_(torch.empty_strided(shape, strides, dtype=dtype, device=device))
 
 
+def check_unsqueeze_dim(unsqueeze_dim):
+    if isinstance(unsqueeze_dim, bool) or unsqueeze_dim not in (1, 2):
+        raise ValueError(f"unsqueeze_dim must be 1 ([B, H, T, D]) or 2 ([B, T, H, D]), got {unsqueeze_dim!r}")
+
+
+TABLES_REQUIRE_GRAD = ("cos / sin require grad, but tigon's RoPE treats them as constants "
+                       "(compute them under torch.no_grad(), as HF's rotary embedding does)")
+
+
+def check_constant_tables(cos, sin):
+    if torch.is_grad_enabled() and (getattr(cos, "requires_grad", False) or getattr(sin, "requires_grad", False)):
+        raise ValueError(TABLES_REQUIRE_GRAD)
+
+
 def check_rope_args(q, k, cos, sin, position_ids, unsqueeze_dim):
-    if unsqueeze_dim not in (1, 2):
-        raise ValueError(f"unsqueeze_dim must be 1 ([B, H, T, D]) or 2 ([B, T, H, D]), got {unsqueeze_dim}")
+    """Checks of metadata only (they run on FakeTensors too); see check_positions_in_table."""
+    check_unsqueeze_dim(unsqueeze_dim)
     check_tensor("q", q, ndim=4)
     check_tensor("k", k, ndim=4)
     check_tensor("cos", cos, min_ndim=2)
@@ -211,34 +228,69 @@ def check_rope_args(q, k, cos, sin, position_ids, unsqueeze_dim):
             raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; expected [1|{batch}, {seq_len}]")
         if cos_batch != 1:
             raise ValueError(f"with position_ids, cos must be a table [P, R] or [1, P, R], got {tuple(cos.shape)}")
-        if position_ids.numel() and not capturing():
-            # One host sync (skipped in CUDA-graph capture): an out-of-table position would read
-            # outside cos / sin.
-            lo, hi = int(position_ids.min()), int(position_ids.max())
-            if lo < 0 or hi >= cos.shape[-2]:
-                raise ValueError(f"position_ids range over [{lo}, {hi}] but cos has {cos.shape[-2]} positions")
 
 
-class RoPEFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-        check_rope_args(q, k, cos, sin, position_ids, unsqueeze_dim)
-        if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
-            raise ValueError("cos / sin require grad, but tigon's RoPE treats them as constants "
-                             "(compute them under torch.no_grad(), as HF's rotary embedding does)")
-        # Outputs and (in the backward) gradients are written in q's and k's own layouts: for
-        # HF's q, a transposed view of the projection, the view's backward is then free instead
-        # of a copy of dq (H100, B4 T8192 32/8 heads: fwd+bwd 0.95 -> ~0.6 ms).
-        strides = (dense_strides(q), dense_strides(k))
-        q_out, k_out = rope_apply(q, k, cos, sin, position_ids, unsqueeze_dim, backward=False, out_strides=strides)
-        ctx.tables = (cos, sin, position_ids)  # constants: kept, not saved (see the note in tigon.ops._common)
-        ctx.unsqueeze_dim = unsqueeze_dim
-        ctx.grad_strides = strides
-        return q_out, k_out
+def check_positions_in_table(position_ids, cos):
+    """One host sync (skipped in CUDA-graph capture): an out-of-table position would read
+    outside cos / sin. Reads data: in the real implementation only."""
+    if position_ids is not None and position_ids.numel() and not capturing():
+        lo, hi = int(position_ids.min()), int(position_ids.max())
+        if lo < 0 or hi >= cos.shape[-2]:
+            raise ValueError(f"position_ids range over [{lo}, {hi}] but cos has {cos.shape[-2]} positions")
 
-    @staticmethod
-    def backward(ctx, dq, dk):
-        cos, sin, position_ids = ctx.tables
-        dq, dk = rope_apply(dq, dk, cos, sin, position_ids, ctx.unsqueeze_dim, backward=True,
-                            out_strides=ctx.grad_strides)
-        return dq, dk, None, None, None, None
+
+# ---- custom ops: torch.ops.tigon.rope and its backward (see tigon.ops.rms_norm) ----
+#
+# Outputs and (in the backward) gradients are written in q's and k's own layouts: for HF's q, a
+# transposed view of the projection, the view's backward is then free instead of a copy of dq
+# (H100, B4 T8192 32/8 heads: fwd+bwd 0.95 -> ~0.6 ms). The fake implementations derive the
+# same strides from the same metadata (dense_strides).
+
+
+@torch.library.custom_op("tigon::rope", mutates_args=())
+def rope_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor], unsqueeze_dim: int
+            ) -> tuple[Tensor, Tensor]:
+    """(q_embed, k_embed) of q, k [B, H, T, D] (``unsqueeze_dim=1``) or [B, T, H, D] (2)."""
+    check_rope_args(q, k, cos, sin, position_ids, unsqueeze_dim)
+    check_positions_in_table(position_ids, cos)
+    return rope_apply(q, k, cos, sin, position_ids, unsqueeze_dim, backward=False,
+                      out_strides=(dense_strides(q), dense_strides(k)))
+
+
+@rope_op.register_fake
+def _(q, k, cos, sin, position_ids, unsqueeze_dim):
+    check_rope_args(q, k, cos, sin, position_ids, unsqueeze_dim)
+    return (new_with_strides(q.shape, q.dtype, q.device, dense_strides(q)),
+            new_with_strides(k.shape, k.dtype, k.device, dense_strides(k)))
+
+
+@torch.library.custom_op("tigon::rope_backward", mutates_args=())
+def rope_backward_op(grad_q: Tensor, grad_k: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor],
+                     unsqueeze_dim: int, q_strides: list[int], k_strides: list[int]) -> tuple[Tensor, Tensor]:
+    """(dq, dk) laid out with ``q_strides`` / ``k_strides`` (empty: contiguous)."""
+    return rope_apply(grad_q, grad_k, cos, sin, position_ids, unsqueeze_dim, backward=True,
+                      out_strides=(q_strides or None, k_strides or None))
+
+
+@rope_backward_op.register_fake
+def _(grad_q, grad_k, cos, sin, position_ids, unsqueeze_dim, q_strides, k_strides):
+    return (new_with_strides(grad_q.shape, grad_q.dtype, grad_q.device, q_strides or None),
+            new_with_strides(grad_k.shape, grad_k.dtype, grad_k.device, k_strides or None))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, cos, sin, position_ids, unsqueeze_dim = inputs
+    if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+        raise ValueError(TABLES_REQUIRE_GRAD)
+    ctx.tables = (cos, sin, position_ids)  # constants: kept, not saved (see the note in tigon.ops._common)
+    ctx.unsqueeze_dim = unsqueeze_dim
+    ctx.grad_strides = tuple(list(strides or ()) for strides in (dense_strides(q), dense_strides(k)))
+
+
+def _backward(ctx, grad_q, grad_k):
+    cos, sin, position_ids = ctx.tables
+    dq, dk = rope_backward_op(grad_q, grad_k, cos, sin, position_ids, ctx.unsqueeze_dim, *ctx.grad_strides)
+    return dq, dk, None, None, None, None
+
+
+rope_op.register_autograd(_backward, setup_context=_setup_context)

@@ -10,55 +10,44 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import threading
-import weakref
+import types
 
 import torch
 from torch import nn
 
 from tigon import functional as TF
-from tigon.ops import GLUFunction, TiedGradSlot
-from tigon.ops._common import thread_flag
+from tigon.ops import TiedGradSlot
+from tigon.ops._common import ThreadFlag, thread_flag
 from tigon.ops.cross_entropy import deferred_label_checks
 from tigon.ops.glu import TORCH_ACTIVATIONS
 from tigon.ops.glu_mlp import gated_mlp, glu_down
 
 
-def _eager(fn):
-    """Run fn outside torch.compile's tracing (a graph break around it): a compiled patched model
-    then calls tigon's kernels as they are instead of tracing into their launchers. Outside
-    tracing fn is called directly (the disabled wrapper costs host time on every call)."""
-    disabled = torch.compiler.disable(fn, recursive=True)
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        if torch.compiler.is_compiling():
-            return disabled(*args, **kwargs)
-        return fn(*args, **kwargs)
-
-    return call
-
-
-_rms_norm = _eager(TF.rms_norm)
-_rope = _eager(TF.apply_rotary_pos_emb)
-_glu = _eager(GLUFunction.apply)
-_glu_down = _eager(glu_down)
-_gated_mlp = _eager(gated_mlp)  # reads autograd's checkpoint hooks: not for tracing
+# The patched forwards call tigon's ops, which are torch.library custom ops: torch.compile
+# traces a patched model with each op as one node of its graph (no graph break).
+_rms_norm = TF.rms_norm
+_rope = TF.apply_rotary_pos_emb
+_glu = TF.glu
+_glu_down = glu_down
+_gated_mlp = gated_mlp
 
 
 def _deferring_label_checks(fn):
     """fn with its label checks queued instead of syncing the host each step (a bad label
-    raises at a later step; see tigon.ops.cross_entropy)."""
+    raises at a later step; see tigon.ops.cross_entropy). Eager only: a compiled graph runs
+    the op outside any block the traced code entered."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
         with deferred_label_checks():
             return fn(*args, **kwargs)
     return call
 
 
-_flce = _eager(_deferring_label_checks(TF.fused_linear_cross_entropy))
-_cross_entropy = _eager(_deferring_label_checks(TF.cross_entropy))
-_embedding = _eager(TF.embedding)
+_flce = _deferring_label_checks(TF.fused_linear_cross_entropy)
+_cross_entropy = _deferring_label_checks(TF.cross_entropy)
+_embedding = TF.embedding
 
 
 class TigonPatchError(RuntimeError):
@@ -86,8 +75,10 @@ def make_rms_norm_forward(casting: str, offset: float):
 # ---- gated MLP and MoE experts ----
 
 _PROBE = torch.linspace(-6.0, 6.0, 97, dtype=torch.float64)
-# Activation found per module, without leaving an attribute on it (unpatch leaves nothing).
-_ACTIVATION_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Activation found per kind of activation module (its class, and GELU's approximation), in a
+# plain dict: the lookup in the patched forwards is what torch.compile traces (a weak dict of
+# modules there gives guards on its changing contents), and unpatch leaves nothing on modules.
+_ACTIVATION_OF: dict = {}
 
 
 def identify_activation(act: nn.Module | None) -> str | None:
@@ -111,15 +102,16 @@ def activation_module(module: nn.Module):
 
 
 def mlp_activation(module: nn.Module) -> str:
-    """The module's activation as a tigon name, found once per module; error if unsupported."""
-    name = _ACTIVATION_OF.get(module)
+    """The module's activation as a tigon name, found once per kind of activation; error if unsupported."""
+    act = activation_module(module)
+    key = (type(act), getattr(act, "approximate", None))
+    name = _ACTIVATION_OF.get(key)
     if name is None:
-        act = activation_module(module)
         name = identify_activation(act)
         if name is None:
             raise TigonPatchError(f"{type(module).__name__}: activation {act!r} is not one tigon fuses "
                                   f"(SiLU, GELU tanh, GELU erf); patch with swiglu=False")
-        _ACTIVATION_OF[module] = name
+        _ACTIVATION_OF[key] = name
     return name
 
 
@@ -192,14 +184,18 @@ def tigon_apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
 tigon_apply_rotary_pos_emb._tigon = "rope"
 
 # RoPE is a module-level function of HF's modeling files, called by the attention modules. An
-# instance patch must change one model only: the module function becomes a dispatcher that runs
-# tigon's RoPE while a patched attention module's forward is on this thread, HF's otherwise.
-_ROPE_SCOPE = threading.local()
+# instance patch must change one model only. A patched attention module runs a copy of its
+# forward whose globals name tigon's RoPE (nothing changes while it runs: torch.compile traces it
+# inside checkpointed layers, where a flag set during the call would be a side effect it refuses).
+# Forwards that are not plain functions calling the RoPE by name fall back to a dispatcher: the
+# module function runs tigon's RoPE while a patched attention module's forward is on this
+# thread, HF's otherwise.
+_ROPE_SCOPE = ThreadFlag()
 
 
 def make_rope_dispatcher(original):
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        if getattr(_ROPE_SCOPE, "on", False):
+        if _ROPE_SCOPE.on:
             return tigon_apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs)
         return original(q, k, cos, sin, *args, **kwargs)
 
@@ -208,8 +204,16 @@ def make_rope_dispatcher(original):
     return apply_rotary_pos_emb
 
 
-def make_rope_scope(forward):
-    """An attention module's forward that runs ``forward`` with tigon's RoPE on (see above)."""
+def make_rope_scope(forward, rope_name: str):
+    """An attention module's forward that runs ``forward`` with tigon's RoPE (see above)."""
+    if isinstance(forward, types.FunctionType) and rope_name in forward.__code__.co_names:
+        scoped = types.FunctionType(forward.__code__, {**forward.__globals__, rope_name: tigon_apply_rotary_pos_emb},
+                                    forward.__name__, forward.__defaults__, forward.__closure__)
+        scoped.__kwdefaults__ = forward.__kwdefaults__
+        scoped.__qualname__, scoped.__module__ = forward.__qualname__, forward.__module__
+        scoped._tigon = "attention with tigon's RoPE"
+        return scoped
+
     def scoped_forward(self, *args, **kwargs):
         with thread_flag(_ROPE_SCOPE):
             return forward(self, *args, **kwargs)
@@ -274,7 +278,7 @@ def make_tied_embedding_forward(embed: nn.Embedding, slot: TiedGradSlot):
 
 # ---- HF's packed-sequence check ----
 
-_GENERATED_POSITIONS = threading.local()
+_GENERATED_POSITIONS = ThreadFlag()
 
 
 def make_find_packed_sequence_indices(original):
@@ -284,7 +288,7 @@ def make_find_packed_sequence_indices(original):
     plain arange, so nothing is packed). Without the sync the host can queue the next step
     while the GPU finishes the last one."""
     def find_packed_sequence_indices(position_ids, *args, **kwargs):
-        if getattr(_GENERATED_POSITIONS, "on", False):
+        if _GENERATED_POSITIONS.on:
             return None
         return original(position_ids, *args, **kwargs)
 
@@ -302,21 +306,28 @@ def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mo
     bytes of logits an FLCE chunk may hold (None: FLCE's default, 512 MiB). With tied input and
     output embeddings, the embedding runs on tigon's op during the call and the two share one
     [V, H] gradient buffer (see tigon.ops.embedding)."""
-    signature = inspect.signature(original)
+    # The arguments are bound by name with plain dict operations (inspect.Signature.bind breaks
+    # torch.compile's graph): HF's forwards take named parameters, then **kwargs.
+    params = list(inspect.signature(original).parameters.values())[1:]
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         skip_logits = kwargs.pop("skip_logits", None)
-        bound = signature.bind(self, *args, **kwargs)
-        labels = bound.arguments.get("labels")
+        if len(args) > len(names):
+            raise TypeError(f"{type(self).__name__}.forward takes {len(names)} positional arguments, got {len(args)}")
+        call = dict(zip(names, args))
+        for name, value in kwargs.items():
+            if name in call:
+                raise TypeError(f"{type(self).__name__}.forward got multiple values for argument {name!r}")
+            call[name] = value
+        labels = call.get("labels")
         if skip_logits is None:
             skip_logits = labels is not None and self.training
         if labels is None or not skip_logits and mode == "flce":
-            return original(*bound.args, **bound.kwargs)
-        extra = bound.arguments.get("kwargs", {})
-        return_dict = extra.pop("return_dict", None) if "return_dict" not in signature.parameters else \
-            bound.arguments.pop("return_dict", None)
-        bound.arguments["labels"] = None
+            return original(self, **call)
+        return_dict = call.pop("return_dict", None)
+        call["labels"] = None
         head = self.get_output_embeddings()
         captured = {}
 
@@ -324,19 +335,20 @@ def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mo
             captured["hidden"] = hidden
             return hidden.new_empty(*hidden.shape[:-1], 0)  # softcap / scaling on it cost nothing
 
-        generated = all(bound.arguments.get(name) is None for name in ("position_ids", "attention_mask",
-                                                                         "past_key_values", "inputs_embeds"))
+        generated = all(call.get(name) is None for name in ("position_ids", "attention_mask", "past_key_values",
+                                                            "inputs_embeds"))
         slot = embed = None
-        if mode == "flce" and torch.is_grad_enabled():
+        if mode == "flce" and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # One [V, H] gradient for the tied head and embedding: eager only (see tigon.ops.embedding).
             embed = tied_input_embedding(self, head)
             slot = TiedGradSlot() if embed is not None else None
         with _instance_forward(head if mode == "flce" else None, capture), \
                 _instance_forward(embed, None if embed is None else make_tied_embedding_forward(embed, slot)), \
                 thread_flag(_GENERATED_POSITIONS, generated):
-            out = original(*bound.args, **bound.kwargs)
-        ignore_index = extra.get("ignore_index", -100)
-        target = shifted_labels(labels, extra.get("shift_labels"), ignore_index)
-        num_items = extra.get("num_items_in_batch")
+            out = original(self, **call)
+        ignore_index = call.get("ignore_index", -100)
+        target = shifted_labels(labels, call.get("shift_labels"), ignore_index)
+        num_items = call.get("num_items_in_batch")
         reduction = "sum" if num_items is not None else "mean"
         config = self.config
         softcap = getattr(config, softcap_attr, None) if softcap_attr else None

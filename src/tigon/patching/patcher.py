@@ -383,9 +383,11 @@ def apply_family(family: Family, options: PatchOptions | None = None, model: nn.
                     raise TigonPatchError(f"{family.name}: {experts_class.__name__}.{attr} is not a stacked "
                                           "[experts, out, in] parameter in this transformers version")
     if model is not None:
-        for cls in mlp_classes:
+        # Found now, not at the first forward (which torch.compile may be tracing: evaluating
+        # the activation there would break its graph); raises for an activation tigon does not fuse.
+        for cls in mlp_classes + ([experts_class] if experts_class is not None else []):
             for inst in _instances(model, cls):
-                mlp_activation(inst)  # raises TigonPatchError for an activation tigon does not fuse
+                mlp_activation(inst)
 
     def put(owner_cls, name, fn, piece, what):
         if model is None:
@@ -425,8 +427,8 @@ def apply_family(family: Family, options: PatchOptions | None = None, model: nn.
 
 
 def _patch_rope(mod, family, rope_fn, model, report):
-    """Classes: the module's RoPE function becomes tigon's. A model: the function becomes a
-    dispatcher (once) and the model's attention modules turn tigon's RoPE on for their call."""
+    """Classes: the module's RoPE function becomes tigon's. A model: its attention modules run
+    with tigon's RoPE (see make_rope_scope), and the function becomes a dispatcher (once)."""
     where = f"{mod.__name__}.{family.rope}"
     if model is None:
         if rope_fn is not tigon_apply_rotary_pos_emb:
@@ -441,7 +443,7 @@ def _patch_rope(mod, family, rope_fn, model, report):
     if getattr(rope_fn, "_tigon", None) is None:  # HF's own function: put the dispatcher in front of it
         _set_shared(mod, family.rope, make_rope_dispatcher(rope_fn), report.undo)
     for inst in attention:
-        _set_instance(inst, "forward", make_rope_scope(_forward_before_tigon(inst)), report.undo)
+        _set_instance(inst, "forward", make_rope_scope(_forward_before_tigon(inst), family.rope), report.undo)
     report.replaced.append(("rope", f"{where} in {type(attention[0]).__name__}", str(len(attention))))
 
 

@@ -1,0 +1,130 @@
+"""Patched HF models under torch.compile: no graph break from tigon, HF's loss and gradients,
+one compilation for every batch size and sequence length.
+
+On the CPU the ops run through Triton's interpreter and torch.compile uses the "aot_eager"
+backend (dynamo and AOTAutograd trace the model as Inductor would see it); on the GPU, Inductor.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import tigon
+from tests.helpers import DEVICE, pick
+from tests.integration.test_patching import assert_same_training, batch, tiny_model
+
+pytest.importorskip("transformers")
+
+BACKEND = pick(cpu="aot_eager", gpu="inductor")
+# The families the compile promise is checked on (dense, tied head, soft-capped Gemma 2, MoE).
+COMPILED_FAMILIES = ["llama", "qwen2", "gemma2", "mistral", "qwen3_moe"]
+TIED = {"qwen2", "gemma2"}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    tigon.unpatch()
+    yield
+    tigon.unpatch()
+    torch._dynamo.reset()
+
+
+def patched_pair(model_type, checkpointing=False, **overrides):
+    """(HF model, a patched copy with the same weights), both in training mode, with HF's
+    gradient checkpointing when asked (as training scripts run them: each layer a region)."""
+    ref = tiny_model(model_type, tie_word_embeddings=model_type in TIED, **overrides)
+    if checkpointing:
+        ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+        ref.config.use_cache = False  # else HF warns in the traced forward (a graph break of HF's)
+    model = copy.deepcopy(ref)
+    tigon.patch(model)
+    return ref.train(), model.train()
+
+
+def loss_of(model):
+    def step(ids, labels):
+        return model(input_ids=ids, labels=labels).loss
+    return step
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("model_type", COMPILED_FAMILIES)
+def test_patched_model_traces_without_graph_breaks(model_type, checkpointing):
+    # HF's capture of the MoE router logits (output_router_logits) breaks the graph by itself,
+    # patched or not; the rest of the model traces whole.
+    overrides = dict(output_router_logits=False) if model_type == "qwen3_moe" else {}
+    ref, model = patched_pair(model_type, checkpointing, **overrides)
+    ids, labels = batch(model.config.vocab_size)
+    hf = torch._dynamo.explain(loss_of(ref))(ids, labels)
+    assert hf.graph_break_count == 0  # the test's premise: HF's own model traces whole
+    torch._dynamo.reset()
+    ours = torch._dynamo.explain(loss_of(model))(ids, labels)
+    assert ours.graph_break_count == 0 and ours.graph_count == 1, ours
+
+
+def compiled_training(model, ids, labels):
+    """One forward + backward of torch.compile(model): (loss, gradients by name)."""
+    compiled = torch.compile(model, backend=BACKEND)
+    loss = compiled(input_ids=ids, labels=labels).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("model_type", COMPILED_FAMILIES)
+def test_compiled_patched_model_matches_hf(model_type):
+    ref, model = patched_pair(model_type, checkpointing=model_type in ("llama", "qwen2"))
+    ids, labels = batch(model.config.vocab_size)
+    hf_loss = ref(input_ids=ids, labels=labels).loss
+    hf_loss.backward()
+    hf_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
+    loss, grads = compiled_training(model, ids, labels)
+    assert_same_training(([hf_loss.item()], hf_grads, torch.ones(1)), ([loss], grads, torch.ones(1)),
+                         grad_tol=pick(cpu=1e-4, gpu=2e-3), loss_tol=pick(cpu=1e-5, gpu=1e-4))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_compiled_matches_eager_tigon(model_type):
+    """Compiled and eager runs of the same patched model: the same loss and gradients."""
+    _, model = patched_pair(model_type)
+    twin = copy.deepcopy(model)
+    ids, labels = batch(model.config.vocab_size)
+    eager_loss = twin(input_ids=ids, labels=labels).loss
+    eager_loss.backward()
+    eager = {n: p.grad for n, p in twin.named_parameters() if p.grad is not None}
+    loss, grads = compiled_training(model, ids, labels)
+    assert_same_training(([eager_loss.item()], eager, torch.ones(1)), ([loss], grads, torch.ones(1)),
+                         grad_tol=pick(cpu=1e-5, gpu=2e-3), loss_tol=pick(cpu=1e-6, gpu=1e-4))
+
+
+def test_one_compilation_for_every_batch_and_sequence_length():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    _, model = patched_pair("llama")
+    counter = CompileCounterWithBackend(BACKEND)
+    compiled = torch.compile(model, backend=counter, dynamic=True)
+    vocab = model.config.vocab_size
+    compiled_after_first = None
+    for shape in [(2, 12), (3, 9), (4, 17)]:  # sizes 0 and 1 are always specialised by torch
+        ids = torch.randint(0, vocab, shape, device=DEVICE)
+        compiled(input_ids=ids, labels=ids).loss.backward()
+        compiled_after_first = compiled_after_first or counter.frame_count
+    assert counter.frame_count == compiled_after_first, "a new batch or sequence length recompiled"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune-no-cudagraphs"])
+def test_compile_modes_train(mode):
+    """CUDA graphs (reduce-overhead) and autotuned Inductor kernels: steps run and match eager."""
+    _, model = patched_pair("llama")
+    twin = copy.deepcopy(model)
+    ids, labels = batch(model.config.vocab_size)
+    compiled = torch.compile(model, mode=mode)
+    for _ in range(3):  # CUDA graphs are recorded on a later step than the first
+        model.zero_grad(set_to_none=True)
+        loss = compiled(input_ids=ids, labels=labels).loss
+        loss.backward()
+    eager_loss = twin(input_ids=ids, labels=labels).loss
+    assert abs(loss.item() - eager_loss.item()) <= 1e-4 * abs(eager_loss.item())
+    assert DEVICE == "cuda"
