@@ -106,11 +106,23 @@ def training_step(impl, model_type, shape_kwargs, batch, seq, seed=0):
     return model, step
 
 
+# A compiled implementation keeps its model from one batch size to the next (weights reloaded
+# from the same state, a new optimizer): a new model would be compiled again (its modules and
+# patched forwards are new objects to torch.compile's guards), a minute or more per batch size.
+_COMPILED_MODELS: dict = {}
+
+
 def run(impl, model_type, shape_kwargs, state, args, batch):
     import tigon
 
-    model, report = build_model(model_type, shape_kwargs, impl, state,
-                                args.chunk_mib * 2**20 if args.chunk_mib else None, args.compile_mode)
+    if impl in _COMPILED_MODELS:
+        model, report = _COMPILED_MODELS[impl]
+        model.load_state_dict(state)
+    else:
+        model, report = build_model(model_type, shape_kwargs, impl, state,
+                                    args.chunk_mib * 2**20 if args.chunk_mib else None, args.compile_mode)
+        if impl.endswith("+compile"):
+            _COMPILED_MODELS[impl] = model, report
     steps = args.steps if not args.timed_tokens else max(3, -(-args.timed_tokens // (batch * args.seq)))
     config = model.config
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=args.adamw == "fused",
@@ -159,7 +171,8 @@ def run(impl, model_type, shape_kwargs, state, args, batch):
                   peak_optimizer_gib=peak_opt / 2**30, losses=[float(x) for x in losses], report=report)
     del model, opt, batches
     torch.cuda.empty_cache()
-    tigon.unpatch()
+    if impl not in _COMPILED_MODELS:
+        tigon.unpatch()
     return result
 
 
@@ -173,7 +186,9 @@ def run_or_oom(impl, model_type, shape_kwargs, state, args, batch):
     modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     saved = dict(vars(modeling))
     try:
-        return run(impl, model_type, shape_kwargs, state, args, batch)
+        result = run(impl, model_type, shape_kwargs, state, args, batch)
+        saved = dict(vars(modeling))  # a kept compiled model keeps its patches
+        return result
     except torch.OutOfMemoryError:
         error = "out of memory"
     except Exception as exc:  # e.g. a peer that does not support this transformers version
@@ -182,6 +197,7 @@ def run_or_oom(impl, model_type, shape_kwargs, state, args, batch):
         for name, value in saved.items():
             if vars(modeling).get(name) is not value:
                 setattr(modeling, name, value)
+    _COMPILED_MODELS.pop(impl, None)
     gc.collect()
     torch.cuda.empty_cache()
     if impl.startswith("tigon"):
@@ -245,6 +261,8 @@ def main():
         p.error("--warmup must be at least 2 (the first step compiles and allocates)")
     if args.isolate and "," in args.impls:
         return run_isolated(args)
+    if "," in args.impls and "+compile" in args.impls:
+        p.error("compiled implementations keep their patched model between batch sizes: run them with --isolate")
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, shape_kwargs = SHAPES[args.shape]

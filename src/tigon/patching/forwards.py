@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 import types
 
 import torch
@@ -231,6 +232,53 @@ def shifted_labels(labels, shift_labels, ignore_index):
     return nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
+class _HeadCapture(threading.local):
+    def __init__(self):
+        self.into = None  # per thread from its first access (see tigon.ops._common.ThreadFlag)
+
+
+_HEAD_CAPTURE = _HeadCapture()
+CAPTURING_HEAD = "output head (hands its input to the causal-LM loss)"
+
+
+def make_capturing_head_forward(forward):
+    """The output head's forward of an instance-patched model: inside the patched causal-LM
+    forward's FLCE call it puts its input (the last hidden state) into the caller's dict and
+    returns an empty [..., 0] tensor (softcap / scaling on it cost nothing); elsewhere
+    ``forward``. Set once at patch time, so that the forward changes nothing on modules while
+    it runs (what torch.compile traces; class patches, whose heads are not known in advance,
+    swap the head's forward for the call instead)."""
+    def head_forward(self, hidden):
+        into = _HEAD_CAPTURE.into
+        if into is not None:
+            into["hidden"] = hidden
+            return hidden.new_empty(*hidden.shape[:-1], 0)
+        return forward(self, hidden)
+
+    head_forward._tigon = CAPTURING_HEAD
+    return head_forward
+
+
+@contextlib.contextmanager
+def _capturing_head(head: nn.Module, captured: dict):
+    """The head's input lands in ``captured["hidden"]`` for the block, by the head's capturing
+    forward when the patcher set one, else by a forward swapped in for the block."""
+    if getattr(head.forward, "_tigon", None) == CAPTURING_HEAD:
+        before, _HEAD_CAPTURE.into = _HEAD_CAPTURE.into, captured
+        try:
+            yield
+        finally:
+            _HEAD_CAPTURE.into = before
+        return
+
+    def capture(hidden):
+        captured["hidden"] = hidden
+        return hidden.new_empty(*hidden.shape[:-1], 0)
+
+    with _instance_forward(head, capture):
+        yield
+
+
 @contextlib.contextmanager
 def _instance_forward(module: nn.Module | None, forward):
     """module.forward = forward for the block (nothing when module is None), then whatever
@@ -331,10 +379,6 @@ def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mo
         head = self.get_output_embeddings()
         captured = {}
 
-        def capture(hidden):
-            captured["hidden"] = hidden
-            return hidden.new_empty(*hidden.shape[:-1], 0)  # softcap / scaling on it cost nothing
-
         generated = all(call.get(name) is None for name in ("position_ids", "attention_mask", "past_key_values",
                                                             "inputs_embeds"))
         slot = embed = None
@@ -342,7 +386,7 @@ def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mo
             # One [V, H] gradient for the tied head and embedding: eager only (see tigon.ops.embedding).
             embed = tied_input_embedding(self, head)
             slot = TiedGradSlot() if embed is not None else None
-        with _instance_forward(head if mode == "flce" else None, capture), \
+        with (_capturing_head(head, captured) if mode == "flce" else contextlib.nullcontext()), \
                 _instance_forward(embed, None if embed is None else make_tied_embedding_forward(embed, slot)), \
                 thread_flag(_GENERATED_POSITIONS, generated):
             out = original(self, **call)

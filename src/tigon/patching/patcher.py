@@ -38,6 +38,7 @@ from tigon.patching.forwards import (
     TigonPatchError,
     activation_module,
     identify_activation,
+    make_capturing_head_forward,
     make_causal_lm_forward,
     make_experts_forward,
     make_find_packed_sequence_indices,
@@ -421,6 +422,11 @@ def apply_family(family: Family, options: PatchOptions | None = None, model: nn.
                                      mode=mode, chunk_budget=opts.chunk_budget)
         fwd._tigon_original = original
         put(lm_class, "forward", fwd, "loss", f"{lm_class.__name__} ({fwd._tigon})")
+        if model is not None and mode == "flce":
+            for lm in _instances(model, lm_class):
+                head = lm.get_output_embeddings()
+                if isinstance(head, nn.Module):
+                    _set_instance(head, "forward", make_capturing_head_forward(_forward_before_tigon(head)), undo)
         _patch_packed_sequence_check(report)
     log.info("%s", report)
     return report
