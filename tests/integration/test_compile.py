@@ -128,3 +128,18 @@ def test_compile_modes_train(mode):
     eager_loss = twin(input_ids=ids, labels=labels).loss
     assert abs(loss.item() - eager_loss.item()) <= 1e-4 * abs(eager_loss.item())
     assert DEVICE == "cuda"
+
+
+def test_patched_forward_changes_no_module_while_running():
+    """What torch.compile traces must not set or delete module attributes (torch 2.11 does not
+    trace the dict operations that would take): the head's forward seen from inside the model
+    during a training call is the one the patch installed."""
+    _, model = patched_pair("qwen2", checkpointing=True)
+    head = model.get_output_embeddings()
+    installed = vars(head).get("forward")
+    seen = []
+    hook = model.model.norm.register_forward_hook(lambda *_: seen.append(vars(head).get("forward")))
+    ids, labels = batch(model.config.vocab_size)
+    model(input_ids=ids, labels=labels).loss.backward()
+    hook.remove()
+    assert installed is not None and seen == [installed]
