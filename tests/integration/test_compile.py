@@ -143,3 +143,23 @@ def test_patched_forward_changes_no_module_while_running():
     model(input_ids=ids, labels=labels).loss.backward()
     hook.remove()
     assert installed is not None and seen == [installed]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_compiled_mlp_keeps_only_its_input_in_checkpointed_layers(checkpointing):
+    """Under torch.compile, a checkpointed layer's gated MLP is tigon::glu_mlp (keeps only x;
+    the region's recomputation would form gate and up again anyway), as in eager; without
+    checkpointing it is tigon::glu_down (keeps gate and up, no recomputation)."""
+    _, model = patched_pair("llama", checkpointing)
+    ops = set()
+
+    def record(gm, example_inputs):
+        for sub in gm.modules():  # the graph and its subgraphs (checkpointed regions)
+            if isinstance(sub, torch.fx.GraphModule):
+                ops.update(str(n.target) for n in sub.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    ids, labels = batch(model.config.vocab_size)
+    torch.compile(model, backend=record)(input_ids=ids, labels=labels).loss.backward()
+    expected, other = ("tigon.glu_mlp", "tigon.glu_down") if checkpointing else ("tigon.glu_down", "tigon.glu_mlp")
+    assert any(expected in op for op in ops) and not any(other in op for op in ops), sorted(ops)

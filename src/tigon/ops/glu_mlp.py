@@ -502,14 +502,18 @@ def glu_down(gate, up, down_proj, activation, gate_multiplier=1.0, down_multipli
 
 
 def gated_mlp(x, gate_proj, up_proj, down_proj, activation, *, keep_input_only=True, gate_multiplier=1.0,
-              down_multiplier=1.0):
+              down_multiplier=1.0, checkpointed=None):
     """down_proj(act(gate_proj(x) g) * up_proj(x)) * d for an MLP's three layers, by the path
-    that saves the most: under torch.utils.checkpoint (non-reentrant, eager), with gradients on,
-    plain bias-free nn.Linear layers and ``keep_input_only`` (the caller's layer saves nothing
-    after the MLP), glu_mlp_input_only, which keeps only x; otherwise ``glu_down``. Under
-    torch.compile, ``glu_down`` (torch handles checkpointing there)."""
-    if (keep_input_only and torch.is_grad_enabled() and _plain_linear(gate_proj) and _plain_linear(up_proj)
-            and _plain_linear(down_proj) and not torch.compiler.is_compiling() and under_checkpoint()):
+    that saves the most: inside a checkpointed region, with gradients on, plain bias-free
+    nn.Linear layers and ``keep_input_only`` (the caller's layer saves nothing after the MLP),
+    glu_mlp_input_only, which keeps only x (the region's recomputation would form gate and up
+    again anyway); otherwise ``glu_down``. ``checkpointed``: whether the call is inside one, or
+    None to find out (eager: torch.utils.checkpoint's hooks; under torch.compile, which traces
+    checkpointed regions without them, None counts as not checkpointed)."""
+    if checkpointed is None:
+        checkpointed = not torch.compiler.is_compiling() and under_checkpoint()
+    if (keep_input_only and checkpointed and torch.is_grad_enabled() and _plain_linear(gate_proj)
+            and _plain_linear(up_proj) and _plain_linear(down_proj)):
         return glu_mlp_input_only(x, gate_proj.weight, up_proj.weight, down_proj.weight, activation,
                                   gate_multiplier=gate_multiplier, down_multiplier=down_multiplier)
     return glu_down(gate_proj(x), up_proj(x), down_proj, activation, gate_multiplier, down_multiplier)

@@ -121,15 +121,22 @@ def mlp_multipliers(module: nn.Module) -> tuple[float, float]:
     return float(getattr(module, "gate_multiplier", 1.0)), float(getattr(module, "down_multiplier", 1.0))
 
 
+# Set by the patched causal-LM forward while torch.compile traces a training call of a model
+# with HF gradient checkpointing on: its layers are checkpointed regions, which the compiler
+# traces without the hooks that tell an eager call so (tigon.ops.glu_mlp.gated_mlp).
+_CHECKPOINTED_LAYERS = ThreadFlag()
+
+
 def make_mlp_forward(layout: str, keep_input_only: bool = False):
     """The gated MLP's forward. ``keep_input_only`` (the family's layers save nothing after the
-    MLP): under torch.utils.checkpoint it keeps only its input (tigon.ops.glu_mlp.gated_mlp)."""
+    MLP): in a checkpointed layer it keeps only its input (tigon.ops.glu_mlp.gated_mlp)."""
     if layout == "gate_up_down":
         def forward(self, x):
             gate_multiplier, down_multiplier = mlp_multipliers(self)
+            checkpointed = _CHECKPOINTED_LAYERS.on if torch.compiler.is_compiling() else None
             return _gated_mlp(x, self.gate_proj, self.up_proj, self.down_proj, mlp_activation(self),
                               keep_input_only=keep_input_only, gate_multiplier=gate_multiplier,
-                              down_multiplier=down_multiplier)
+                              down_multiplier=down_multiplier, checkpointed=checkpointed)
     elif layout == "fused_gate_up":
         def forward(self, x):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -224,6 +231,15 @@ def make_rope_scope(forward, rope_name: str):
 
 
 # ---- causal-LM loss ----
+
+def checkpointed_layers(model: nn.Module) -> bool:
+    """A training call of ``model`` under torch.compile runs its layers as checkpointed regions
+    (HF gradient checkpointing on its decoder)."""
+    if not (torch.compiler.is_compiling() and model.training and torch.is_grad_enabled()):
+        return False
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    return bool(getattr(decoder, "gradient_checkpointing", False))
+
 
 def shifted_labels(labels, shift_labels, ignore_index):
     """HF's ForCausalLMLoss targets: labels shifted left by one, ignore_index appended."""
@@ -388,7 +404,8 @@ def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mo
             slot = TiedGradSlot() if embed is not None else None
         with (_capturing_head(head, captured) if mode == "flce" else contextlib.nullcontext()), \
                 _instance_forward(embed, None if embed is None else make_tied_embedding_forward(embed, slot)), \
-                thread_flag(_GENERATED_POSITIONS, generated):
+                thread_flag(_GENERATED_POSITIONS, generated), \
+                thread_flag(_CHECKPOINTED_LAYERS, checkpointed_layers(self)):
             out = original(self, **call)
         ignore_index = call.get("ignore_index", -100)
         target = shifted_labels(labels, call.get("shift_labels"), ignore_index)
