@@ -163,3 +163,21 @@ def test_compiled_mlp_keeps_only_its_input_in_checkpointed_layers(checkpointing)
     torch.compile(model, backend=record)(input_ids=ids, labels=labels).loss.backward()
     expected, other = ("tigon.glu_mlp", "tigon.glu_down") if checkpointing else ("tigon.glu_down", "tigon.glu_mlp")
     assert any(expected in op for op in ops) and not any(other in op for op in ops), sorted(ops)
+
+
+def test_compiled_loss_queues_its_label_check():
+    """The patched loss's label range check is queued instead of syncing the host (CUDA), also
+    in a compiled graph, where it is the op's argument (no flag is read at run time)."""
+    _, model = patched_pair("llama")
+    calls = []
+
+    def record(gm, example_inputs):
+        calls.extend(n for n in gm.graph.nodes
+                     if n.op == "call_function" and "fused_linear_cross_entropy" in str(n.target))
+        return gm.forward
+
+    ids, labels = batch(model.config.vocab_size)
+    torch.compile(model, backend=record)(input_ids=ids, labels=labels).loss.backward()
+    schema = torch.ops.tigon.fused_linear_cross_entropy.default._schema
+    position = [a.name for a in schema.arguments].index("defer_label_check")
+    assert calls and all(n.args[position] is True for n in calls)

@@ -331,6 +331,7 @@ class CrossEntropyOptions(NamedTuple):
     return_z_loss: bool = False
     return_token_accuracy: bool = False
     return_predicted_tokens: bool = False
+    defer_label_check: bool = False  # queue the label range check (CUDA) instead of syncing
 
     @property
     def compute_argmax(self) -> bool:
@@ -363,12 +364,15 @@ def check_option_values(opts: CrossEntropyOptions) -> None:
 def checked_cross_entropy_options(ignore_index=-100, reduction="mean", label_smoothing=0.0, weight=None,
                                   lse_square_scale=0.0, softcap=None, use_token_scaling=False, return_z_loss=False,
                                   return_token_accuracy=False, return_predicted_tokens=False) -> CrossEntropyOptions:
-    """The options checked (``check_option_values``) and typed as the ops' schemas take them."""
+    """The options checked (``check_option_values``) and typed as the ops' schemas take them;
+    inside ``deferred_label_checks()`` the op is told to queue its label check. (An argument,
+    not the flag read at run time: a compiled graph runs the op outside the block it traced.)"""
     opts = CrossEntropyOptions(ignore_index, reduction, label_smoothing, weight, lse_square_scale, softcap)
     check_option_values(opts)
     return CrossEntropyOptions(ignore_index, reduction, float(label_smoothing), weight, float(lse_square_scale),
                                None if softcap is None else float(softcap), bool(use_token_scaling),
-                               bool(return_z_loss), bool(return_token_accuracy), bool(return_predicted_tokens))
+                               bool(return_z_loss), bool(return_token_accuracy), bool(return_predicted_tokens),
+                               bool(_DEFERRAL.on))
 
 
 def check_target_and_class_weight(target, n_rows, n_classes, weight) -> None:
@@ -385,12 +389,13 @@ def check_target_and_class_weight(target, n_rows, n_classes, weight) -> None:
             raise ValueError(f"weight has {weight.shape[0]} entries but the logits have {n_classes} classes")
 
 
-def check_label_range(target, n_classes, ignore_index) -> None:
+def check_label_range(target, n_classes, ignore_index, defer=False) -> None:
     """Every label in [0, n_classes) or ignore_index: a host sync (see CHECK_LABELS above), or on
-    CUDA inside ``deferred_label_checks()`` a queued check. Real implementations only."""
+    CUDA with ``defer`` (the call was made inside ``deferred_label_checks()``) a queued check.
+    Real implementations only."""
     if CHECK_LABELS and target.numel() and not capturing():
         bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
-        if target.is_cuda and _DEFERRAL.on:
+        if target.is_cuda and defer:
             _queue_label_check(bad, target, n_classes, ignore_index)
         elif bool(bad.any()):
             first = target[bad][0].item()
@@ -412,7 +417,7 @@ def check_cross_entropy_options(target, n_rows, n_classes, opts: CrossEntropyOpt
     them (``kernel_target_and_options``)."""
     check_target_and_class_weight(target, n_rows, n_classes, opts.weight)
     check_option_values(opts)
-    check_label_range(target, n_classes, opts.ignore_index)
+    check_label_range(target, n_classes, opts.ignore_index, opts.defer_label_check)
     return kernel_target_and_options(target, opts)
 
 
@@ -547,7 +552,7 @@ def _check_cross_entropy_args(logits, target, opts: CrossEntropyOptions) -> None
 def _cross_entropy(logits2, target, opts: CrossEntropyOptions, grad):
     """Checked logits2 [N, V] (unit last stride) -> op_loss_outputs; d loss / d logits for
     grad_output 1 into ``grad`` (None: not computed; it may be logits2)."""
-    check_label_range(target, logits2.shape[1], opts.ignore_index)
+    check_label_range(target, logits2.shape[1], opts.ignore_index, opts.defer_label_check)
     target, opts = kernel_target_and_options(target, opts)
     norms = cross_entropy_norms(target, opts)
     loss_rows, z_rows, predicted = cross_entropy_rows(logits2, target, norms, grad, opts)
@@ -558,13 +563,14 @@ def _cross_entropy(logits2, target, opts: CrossEntropyOptions, grad):
 def cross_entropy_op(logits: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float,
                      class_weight: Optional[Tensor], lse_square_scale: float, softcap: Optional[float],
                      use_token_scaling: bool, return_z_loss: bool, return_token_accuracy: bool,
-                     return_predicted_tokens: bool, compute_grad: bool
+                     return_predicted_tokens: bool, defer_label_check: bool, compute_grad: bool
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, z_loss, token_accuracy, predicted_tokens, grad) of logits [N, V] and target [N];
     grad: d loss / d logits for grad_output 1 ([N, V], logits' dtype) with ``compute_grad``,
     else empty. The backward scales it by grad_output."""
     opts = CrossEntropyOptions(ignore_index, reduction, label_smoothing, class_weight, lse_square_scale, softcap,
-                               use_token_scaling, return_z_loss, return_token_accuracy, return_predicted_tokens)
+                               use_token_scaling, return_z_loss, return_token_accuracy, return_predicted_tokens,
+                               defer_label_check)
     check_option_values(opts)
     _check_cross_entropy_args(logits, target, opts)
     logits2 = logits if logits.stride(-1) == 1 else logits.contiguous()
@@ -604,13 +610,14 @@ cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
 def cross_entropy_inplace_op(logits: Tensor, target: Tensor, ignore_index: int, reduction: str,
                              label_smoothing: float, class_weight: Optional[Tensor], lse_square_scale: float,
                              softcap: Optional[float], use_token_scaling: bool, return_z_loss: bool,
-                             return_token_accuracy: bool, return_predicted_tokens: bool
+                             return_token_accuracy: bool, return_predicted_tokens: bool, defer_label_check: bool
                              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """tigon::cross_entropy writing d loss / d logits (grad_output 1) over ``logits`` (see
     ``writable_rows``): no [N, V] gradient allocated. No autograd formula of its own (torch
     registers none for ops that mutate an input): ``CrossEntropyOverLogits`` is its autograd."""
     opts = CrossEntropyOptions(ignore_index, reduction, label_smoothing, class_weight, lse_square_scale, softcap,
-                               use_token_scaling, return_z_loss, return_token_accuracy, return_predicted_tokens)
+                               use_token_scaling, return_z_loss, return_token_accuracy, return_predicted_tokens,
+                               defer_label_check)
     check_option_values(opts)
     _check_writable_logits(logits, target, opts)
     return _cross_entropy(logits, target, opts, logits)

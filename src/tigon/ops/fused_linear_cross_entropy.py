@@ -198,7 +198,8 @@ def fused_linear_cross_entropy_op(
     x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int, reduction: str,
     label_smoothing: float, class_weight: Optional[Tensor], lse_square_scale: float, softcap: Optional[float],
     use_token_scaling: bool, return_z_loss: bool, return_token_accuracy: bool, return_predicted_tokens: bool,
-    chunk_budget: int, accum_dtype: Optional[torch.dtype], need_dx: bool, need_dw: bool, need_db: bool,
+    defer_label_check: bool, chunk_budget: int, accum_dtype: Optional[torch.dtype], need_dx: bool, need_dw: bool,
+    need_db: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, z_loss, token_accuracy, predicted_tokens, dx, dw, db) of cross_entropy(x @ weight.T +
     bias, target), x [..., H], weight [V, H], target [...]. With reduction "mean" / "sum" the
@@ -206,10 +207,11 @@ def fused_linear_cross_entropy_op(
     dtype, dw [V, H] in accum_dtype (or weight's), db fp32 [V]; the others, and all three for
     "none" (whose backward recomputes them), are empty. The loss outputs as tigon::cross_entropy's."""
     opts = CrossEntropyOptions(ignore_index, reduction, label_smoothing, class_weight, lse_square_scale, softcap,
-                               use_token_scaling, return_z_loss, return_token_accuracy, return_predicted_tokens)
+                               use_token_scaling, return_z_loss, return_token_accuracy, return_predicted_tokens,
+                               defer_label_check)
     _check_values(opts, chunk_budget, accum_dtype)
     _check_args(x, weight, target, bias, opts, accum_dtype)
-    check_label_range(target, weight.shape[0], opts.ignore_index)
+    check_label_range(target, weight.shape[0], opts.ignore_index, opts.defer_label_check)
     x2, target, opts, chunk_rows = _kernel_inputs(x, weight, target, opts, chunk_budget)
     norms = cross_entropy_norms(target, opts)
     in_forward = reduction != "none"  # "none": the gradient depends on each row's grad_output
@@ -236,13 +238,14 @@ def fused_linear_cross_entropy_backward_op(
     grad_loss: Tensor, x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int,
     reduction: str, label_smoothing: float, class_weight: Optional[Tensor], lse_square_scale: float,
     softcap: Optional[float], use_token_scaling: bool, return_z_loss: bool, return_token_accuracy: bool,
-    return_predicted_tokens: bool, chunk_budget: int, accum_dtype: Optional[torch.dtype], need_dx: bool,
-    need_dw: bool, need_db: bool,
+    return_predicted_tokens: bool, defer_label_check: bool, chunk_budget: int, accum_dtype: Optional[torch.dtype],
+    need_dx: bool, need_dw: bool, need_db: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dw, db) as tigon::fused_linear_cross_entropy's, for per-row grad_output grad_loss
     [rows] (reduction "none"): each chunk's logits are formed again (four matmuls)."""
     opts = CrossEntropyOptions(ignore_index, reduction, label_smoothing, class_weight, lse_square_scale, softcap,
-                               use_token_scaling, return_z_loss, return_token_accuracy, return_predicted_tokens)
+                               use_token_scaling, return_z_loss, return_token_accuracy, return_predicted_tokens,
+                               defer_label_check)
     _check_values(opts, chunk_budget, accum_dtype)
     _check_args(x, weight, target, bias, opts, accum_dtype)
     x2, target, opts, chunk_rows = _kernel_inputs(x, weight, target, opts, chunk_budget)

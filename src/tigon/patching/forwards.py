@@ -35,12 +35,10 @@ _gated_mlp = gated_mlp
 
 def _deferring_label_checks(fn):
     """fn with its label checks queued instead of syncing the host each step (a bad label
-    raises at a later step; see tigon.ops.cross_entropy). Eager only: a compiled graph runs
-    the op outside any block the traced code entered."""
+    raises at a later step; see tigon.ops.cross_entropy), compiled or not: the op is told so
+    by an argument."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        if torch.compiler.is_compiling():
-            return fn(*args, **kwargs)
         with deferred_label_checks():
             return fn(*args, **kwargs)
     return call
