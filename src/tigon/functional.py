@@ -180,10 +180,8 @@ def fused_linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-10
     grad = torch.is_grad_enabled()
     need = (grad and _requires_grad(x), grad and _requires_grad(weight), grad and _requires_grad(bias))
     args = (x, weight, target, bias, *opts, chunk_budget, accum_dtype, *need)
-    if tied_slot is not None and not torch.compiler.is_compiling():
-        with tied_grad_slot(tied_slot):
-            return _loss_outputs(fused_linear_cross_entropy_op(*args), target, opts)
-    return _loss_outputs(fused_linear_cross_entropy_op(*args), target, opts)
+    with tied_grad_slot(tied_slot):
+        return _loss_outputs(fused_linear_cross_entropy_op(*args), target, opts)
 
 
 def embedding(ids, weight, padding_idx=None, tied_slot=None) -> torch.Tensor:
@@ -192,10 +190,8 @@ def embedding(ids, weight, padding_idx=None, tied_slot=None) -> torch.Tensor:
     weight's gradient; ``padding_idx`` rows get no gradient (as nn.Embedding). ``tied_slot``:
     see fused_linear_cross_entropy."""
     check_padding_idx(padding_idx)  # before the op: its schema would refuse a non-int with a vaguer error
-    if tied_slot is not None and not torch.compiler.is_compiling():
-        with tied_grad_slot(tied_slot):
-            return embedding_op(ids, weight, padding_idx)
-    return embedding_op(ids, weight, padding_idx)
+    with tied_grad_slot(tied_slot):
+        return embedding_op(ids, weight, padding_idx)
 
 
 def linear_token_logps(x, weight, target, bias=None, ignore_index=-100) -> torch.Tensor:

@@ -142,6 +142,24 @@ def check_tensor_args(**named) -> None:
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
+def contiguous_or_none(t):
+    """t with unit strides (a copy of a strided or expanded one), or None: what a kernel
+    reading t by index (norm weights) takes."""
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+def or_empty(t, like):
+    """t, or an empty tensor of ``like``'s dtype and device in its place: a custom op's
+    output that was not computed (custom ops return no None)."""
+    return t if t is not None else like.new_empty(0)
+
+
+def fake_grad(param, needed, like):
+    """A fake implementation's gradient output for ``param``: its shape when ``needed`` and
+    param is given, else empty (as ``or_empty``)."""
+    return param.new_empty(param.shape) if needed and param is not None else like.new_empty(0)
+
+
 def traced(*tensors) -> bool:
     """True while torch.compile, AOTAutograd or make_fx traces this code (they set is_compiling or
     hand it functional / fake tensor subclasses). A backward then stays functional: no reads of

@@ -143,7 +143,11 @@ _TIED_SLOT = _SlotOfCall()
 @contextlib.contextmanager
 def tied_grad_slot(slot: TiedGradSlot | None):
     """Within the block, an embedding or fused linear cross entropy op call records ``slot`` on
-    its autograd node (eager mode; the functional entries use it)."""
+    its autograd node (eager mode; the functional entries use it). Nothing is set for a None
+    slot, nor under torch.compile (where each op returns its own gradient)."""
+    if slot is None or torch.compiler.is_compiling():
+        yield
+        return
     before = _TIED_SLOT.slot
     _TIED_SLOT.slot = slot
     try:

@@ -7,9 +7,8 @@ s to the norm's input gradient in the same kernel. Uses the RMSNorm kernels (cas
 
 from __future__ import annotations
 
-from typing import Optional
-
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor

@@ -32,9 +32,8 @@ activations (``tigon.ops.glu``); the multipliers g, d are 1 except in Falcon-H1.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +44,7 @@ from tigon.ops._common import (
     as_rows,
     check_same_device,
     check_tensor,
+    fake_grad,
     matmul_dtype,
     new_output,
 )
@@ -248,8 +248,8 @@ def glu_down_backward_op(dout: Tensor, a: Tensor, b: Tensor, down_weight: Tensor
 @glu_down_backward_op.register_fake
 def _(dout, a, b, down_weight, down_bias, activation, gate_multiplier, down_multiplier, matmul_dtype, slice_columns,
       need_ab, need_weight, need_bias):
-    return (_fake_grad(a, need_ab, a), _fake_grad(a, need_ab, a), _fake_grad(down_weight, need_weight, a),
-            _fake_grad(down_bias, need_bias, a))
+    return (fake_grad(a, need_ab, a), fake_grad(a, need_ab, a), fake_grad(down_weight, need_weight, a),
+            fake_grad(down_bias, need_bias, a))
 
 
 @torch.library.custom_op("tigon::glu_down_backward_", mutates_args=("a", "b"))
@@ -269,11 +269,7 @@ def glu_down_backward_inplace_op(dout: Tensor, a: Tensor, b: Tensor, down_weight
 @glu_down_backward_inplace_op.register_fake
 def _(dout, a, b, down_weight, down_bias, activation, gate_multiplier, down_multiplier, matmul_dtype, slice_columns,
       need_weight, need_bias):
-    return _fake_grad(down_weight, need_weight, a), _fake_grad(down_bias, need_bias, a)
-
-
-def _fake_grad(t, needed, like):
-    return t.new_empty(t.shape) if needed and t is not None else like.new_empty(0)
+    return fake_grad(down_weight, need_weight, a), fake_grad(down_bias, need_bias, a)
 
 
 def _glu_down_setup_context(ctx, inputs, output):
@@ -446,8 +442,8 @@ def glu_mlp_backward_op(dout: Tensor, x: Tensor, gate_weight: Tensor, up_weight:
 @glu_mlp_backward_op.register_fake
 def _(dout, x, gate_weight, up_weight, down_weight, activation, gate_multiplier, down_multiplier, matmul_dtype,
       slice_columns, need_x, need_gate_weight, need_up_weight, need_down_weight):
-    return (_fake_grad(x, need_x, x), _fake_grad(gate_weight, need_gate_weight, x),
-            _fake_grad(up_weight, need_up_weight, x), _fake_grad(down_weight, need_down_weight, x))
+    return (fake_grad(x, need_x, x), fake_grad(gate_weight, need_gate_weight, x),
+            fake_grad(up_weight, need_up_weight, x), fake_grad(down_weight, need_down_weight, x))
 
 
 def _glu_mlp_setup_context(ctx, inputs, output):

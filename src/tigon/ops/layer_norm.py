@@ -6,9 +6,8 @@ weight and bias are each optional; their gradients are reduced in fp32 without a
 
 from __future__ import annotations
 
-from typing import Optional
-
 import math
+from typing import Optional
 
 import torch
 import triton
@@ -20,7 +19,10 @@ from tigon.ops._common import (
     cdiv,
     check_same_device,
     check_tensor,
+    contiguous_or_none,
+    fake_grad,
     new_output,
+    or_empty,
     persistent_programs,
     row_block_config,
 )
@@ -108,7 +110,7 @@ def check_layer_norm_args(x, weight, bias):
             if p.shape[0] != n:
                 raise ValueError(f"{name} has shape {tuple(p.shape)} but x's last dim is {n}")
     check_same_device(x=x, weight=weight, bias=bias)
-    return tuple(p if p is None or p.is_contiguous() else p.contiguous() for p in (weight, bias))
+    return contiguous_or_none(weight), contiguous_or_none(bias)
 
 
 def layer_norm_forward(x, weight, bias, eps):
@@ -134,7 +136,7 @@ def layer_norm_forward(x, weight, bias, eps):
 def layer_norm_backward(dy, x, weight, bias, mean, rstd, compute_dw, compute_db):
     """(dx like x, dw, db) of layer_norm_forward; dw / db None when not computed."""
     x2, dy2 = as_rows(x), as_rows(dy)
-    weight = weight if weight is None or weight.is_contiguous() else weight.contiguous()
+    weight = contiguous_or_none(weight)
     n_rows, n_cols = x2.shape
     block_m, block_n, num_warps, per_sm = row_block_config(n_cols, backward=True)
     compute_dw = compute_dw and weight is not None
@@ -184,20 +186,12 @@ def layer_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias
     """(dx like x, dw like weight, db like bias), each of the last two empty when not computed
     (bias is read for its dtype only)."""
     dx, dw, db = layer_norm_backward(dy, x, weight, bias, mean, rstd, compute_dw, compute_db)
-    return dx, _or_empty(dw, x), _or_empty(db, x)
+    return dx, or_empty(dw, x), or_empty(db, x)
 
 
 @layer_norm_backward_op.register_fake
 def _(dy, x, weight, bias, mean, rstd, compute_dw, compute_db):
-    return (x.new_empty(x.shape), _fake_param_grad(weight, compute_dw, x), _fake_param_grad(bias, compute_db, x))
-
-
-def _or_empty(t, like):
-    return t if t is not None else like.new_empty(0)
-
-
-def _fake_param_grad(param, compute, x):
-    return param.new_empty(param.shape) if compute and param is not None else x.new_empty(0)
+    return (x.new_empty(x.shape), fake_grad(weight, compute_dw, x), fake_grad(bias, compute_db, x))
 
 
 def _setup_context(ctx, inputs, output):

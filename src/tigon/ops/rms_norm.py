@@ -19,9 +19,8 @@ be 0. The kernels also serve the fused residual-add variant (``fused_add_rms_nor
 
 from __future__ import annotations
 
-from typing import Optional
-
 import math
+from typing import Optional
 
 import torch
 import triton
@@ -33,7 +32,10 @@ from tigon.ops._common import (
     cdiv,
     check_same_device,
     check_tensor,
+    contiguous_or_none,
+    fake_grad,
     new_output,
+    or_empty,
     persistent_programs,
     row_block_config,
 )
@@ -141,8 +143,7 @@ def rms_norm_forward(x2, weight, eps, offset, casting, residual2=None):
     -> (y [M, N], rstd fp32 [M], s [M, N] or None)."""
     n_rows, n_cols = x2.shape
     block_m, block_n, num_warps, _ = row_block_config(n_cols)
-    scaled = weight is not None and casting != "gemma"
-    out_dtype = torch.promote_types(x2.dtype, weight.dtype) if scaled else x2.dtype
+    out_dtype = _rms_norm_out_dtype(x2, weight, casting)
     y = new_output((n_rows, n_cols), out_dtype, x2.device)
     rstd = new_output((n_rows,), torch.float32, x2.device)
     s = new_output((n_rows, n_cols), x2.dtype, x2.device) if residual2 is not None else None
@@ -212,7 +213,7 @@ def check_norm_args(x, weight, casting, offset, **others):
             if t.dtype != x.dtype:
                 raise TypeError(f"{name} has dtype {t.dtype} but x has dtype {x.dtype}")
     check_same_device(x=x, weight=weight, **others)
-    return weight if weight is None or weight.is_contiguous() else weight.contiguous()
+    return contiguous_or_none(weight)
 
 
 # ---- custom ops: torch.ops.tigon.rms_norm and its backward ----
@@ -249,40 +250,28 @@ def rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: 
                          compute_dw: bool, ds: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """(dx like x, dw like weight or empty) for dy (and the residual stream's gradient ds, added
     to dx) of x [..., N] normalised with ``rstd``."""
-    dx, dw = rms_norm_backward(as_rows(dy), as_rows(x), _kernel_weight(weight), rstd, offset, casting, compute_dw,
+    dx, dw = rms_norm_backward(as_rows(dy), as_rows(x), contiguous_or_none(weight), rstd, offset, casting, compute_dw,
                                ds2=None if ds is None else as_rows(ds))
-    return dx.view(x.shape), _or_empty(dw, x)
+    return dx.view(x.shape), or_empty(dw, x)
 
 
 @rms_norm_backward_op.register_fake
 def _(dy, x, weight, rstd, offset, casting, compute_dw, ds):
-    return torch.empty_like(x, memory_format=torch.contiguous_format), _fake_dw(weight, compute_dw, x)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), fake_grad(weight, compute_dw, x)
 
 
 @torch.library.custom_op("tigon::rms_norm_backward_", mutates_args=("dy",))
 def rms_norm_backward_inplace_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, offset: float,
                                  casting: str, compute_dw: bool, ds: Optional[Tensor]) -> Tensor:
     """rms_norm_backward with dx written over dy (contiguous, x's dtype); returns dw or empty."""
-    _, dw = rms_norm_backward(dy.view(-1, dy.shape[-1]), as_rows(x), _kernel_weight(weight), rstd, offset, casting,
+    _, dw = rms_norm_backward(dy.view(-1, dy.shape[-1]), as_rows(x), contiguous_or_none(weight), rstd, offset, casting,
                               compute_dw, inplace=True, ds2=None if ds is None else as_rows(ds))
-    return _or_empty(dw, x)
+    return or_empty(dw, x)
 
 
 @rms_norm_backward_inplace_op.register_fake
 def _(dy, x, weight, rstd, offset, casting, compute_dw, ds):
-    return _fake_dw(weight, compute_dw, x)
-
-
-def _kernel_weight(weight):
-    return weight if weight is None or weight.is_contiguous() else weight.contiguous()
-
-
-def _or_empty(t, like):
-    return t if t is not None else like.new_empty(0)
-
-
-def _fake_dw(weight, compute_dw, x):
-    return weight.new_empty(weight.shape) if compute_dw and weight is not None else x.new_empty(0)
+    return fake_grad(weight, compute_dw, x)
 
 
 def rms_norm_gradients(ctx, dy, x, rstd, ds=None):
