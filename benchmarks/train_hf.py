@@ -7,7 +7,9 @@ and plots tokens/s and peak memory against it. An implementation followed by ``+
 with the batch dimension marked dynamic (one compilation for the whole sweep). ``--isolate`` runs
 each implementation in its own process, so that a crash (a peer's illegal memory access) ends
 only its own rows. ``--timed-tokens`` sets the timed steps per batch (at least 3) instead of
-``--steps``, so that large batches do not take much longer than small ones.
+``--steps``, so that large batches do not take much longer than small ones. ``--merge A.json B.json
+--out DIR`` joins sweeps of one shape run in separate calls (a device call's time limit) into one
+JSON, table and plot, without a GPU.
 
 bf16 weights, AdamW (fused by default), gradient checkpointing, random tokens (labels =
 inputs). Peak memory is torch.cuda.max_memory_allocated during the warm-up steps (weights,
@@ -256,7 +258,10 @@ def main():
                    help="torch AdamW implementation (foreach keeps temporaries the size of the weights)")
     p.add_argument("--chunk-mib", type=int, default=None, help="tigon's FLCE chunk budget (default 512 MiB)")
     p.add_argument("--out", default=None)
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="join these sweep JSONs (one shape) into --out")
     args = p.parse_args()
+    if args.merge:
+        return merge_sweeps(args)
     if args.warmup < 2:
         p.error("--warmup must be at least 2 (the first step compiles and allocates)")
     if args.isolate and "," in args.impls:
@@ -334,6 +339,20 @@ def run_isolated(args):
             results += [dict(impl=impl, batch=b, error=f"process died (exit code {proc.returncode})") for b in nxt]
         save(args, n_params or 0, results, device=device or "unknown GPU")
     save(args, n_params or 0, results, final=True, device=device or "unknown GPU")
+    print_table(results)
+
+
+def merge_sweeps(args):
+    """The rows of several sweep JSONs of one shape, in the order given, saved as one sweep."""
+    parts = [json.load(open(path)) for path in args.merge]
+    shapes = {part["shape"] for part in parts}
+    if len(shapes) != 1:
+        raise SystemExit(f"--merge: the JSONs are of different shapes {sorted(shapes)}")
+    args.shape = shapes.pop()
+    args.seq = parts[0]["args"]["seq"]
+    args.batches = sorted({r["batch"] for part in parts for r in part["results"]})
+    results = [r for part in parts for r in part["results"]]
+    save(args, parts[0]["params"], results, final=True, device=parts[0]["device"])
     print_table(results)
 
 

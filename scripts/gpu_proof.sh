@@ -3,7 +3,7 @@
 # folder of the same name under $OUT, as committed there.
 # Usage (device machine, repo root; carry .whl with liger-kernel and cut-cross-entropy):
 #   OUT=/some/dir bash scripts/gpu_proof.sh quick|demo|ops-a|ops-b|losses|train|sweep|host|shapes|
-#                                            compile-check|compile-qwen|compile-llama
+#                                            compile-check|compile-profile|launch-check|compile-qwen|compile-llama
 #   (several: one after the other; one device call runs 10 minutes at most, so ops-a and ops-b
 #   are separate calls). Merge the op halves afterwards (no GPU):
 #   python -m tigon.bench.ops --merge ops_a ops_b --out ops
@@ -66,13 +66,21 @@ case "$part" in
       --out "$OUT/train" | tee "$OUT/train/train_llama-8b_batch_sweep.log" || status=1
     ;;
   compile-check)  # torch.compile tests on the GPU (Inductor, CUDA graphs), host cost per op call
-    # (this code; and the code in scratch/baseline/src when carried there, e.g. the commit before
-    # the custom ops), and the cached launcher's end-to-end effect (TIGON_FAST_LAUNCH=0 / 1)
     mkdir -p "$OUT/compile"
-    timeout 400 python3 -m pytest -q --gpu -p no:cacheprovider tests/integration/test_compile.py \
+    timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q --gpu -p no:cacheprovider tests/integration/test_compile.py \
       > "$OUT/compile/gpu_compile_tests.log" 2>&1 || status=1
     tail -5 "$OUT/compile/gpu_compile_tests.log"
     timeout 60 python3 benchmarks/tuning/host_overhead.py 2>&1 | tee "$OUT/compile/host_overhead.log" || status=1
+    ;;
+  compile-profile)  # where a compiled step's time goes at a small batch: HF + compile vs tigon + compile
+    mkdir -p "$OUT/compile"
+    timeout ${PROFILE_TIMEOUT:-300} python3 benchmarks/tuning/profile_step.py --shape qwen2.5-0.5b --batch 16 --seq 512 \
+      --impls hf+compile,tigon+compile --cprofile 30 2>&1 | grep -v -i "warn\|backend impl" \
+      | tee "$OUT/compile/profile_qwen_batch16.log" || status=1
+    ;;
+  launch-check)  # host cost per call before/after (scratch/baseline/src: an older commit, when carried)
+    # and the cached launcher's end-to-end effect (TIGON_FAST_LAUNCH=0 / 1)
+    mkdir -p "$OUT/compile"
     if [ -d scratch/baseline/src ]; then
       PYTHONPATH=$PWD/scratch/baseline/src:$PYTHONPATH timeout 60 python3 scratch/baseline/benchmarks/tuning/host_overhead.py \
         2>&1 | tee "$OUT/compile/host_overhead_baseline.log" || status=1
@@ -83,10 +91,12 @@ case "$part" in
     done
     ;;
   compile-qwen|compile-llama)  # the batch sweep of HF, Liger and tigon, each eager and compiled
+    # (IMPLS: a subset, for a shape whose sweep outlasts one device call; join the JSONs with
+    # train_hf.py --merge)
     shape=$([ "$part" = compile-qwen ] && echo qwen2.5-0.5b || echo llama-1b)
     mkdir -p "$OUT/train"
     timeout ${SWEEP_TIMEOUT:-570} python3 benchmarks/train_hf.py --shape "$shape" --seq 512 \
-      --batches ${BATCHES:-16 32 64 128 256 512} --impls tigon+compile,tigon,hf+compile,hf,liger,liger+compile \
+      --batches ${BATCHES:-16 32 64 128 256 512} --impls ${IMPLS:-tigon+compile,hf+compile,tigon,liger,hf,liger+compile} \
       --isolate --warmup 2 --timed-tokens ${TIMED_TOKENS:-49152} --out "$OUT/train" 2>&1 | grep -v -i "warn\|backend impl" \
       | tee "$OUT/train/train_${shape}_compile_sweep.log" || status=1
     ;;

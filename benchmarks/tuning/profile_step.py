@@ -1,7 +1,10 @@
 """Where a training step's time goes, HF vs HF + tigon: torch.profiler over two steps of
 benchmarks/train_hf.py's setup; prints wall time, GPU busy time, kernel launches per step and the
-top kernels, and the host syncs one step makes (torch.cuda.set_sync_debug_mode). CUDA only:
-``PYTHONPATH=src python benchmarks/tuning/profile_step.py --shape qwen2.5-0.5b``."""
+top kernels, and the host syncs one step makes (torch.cuda.set_sync_debug_mode). ``--op-host-time``:
+the host time spent inside each of tigon's custom ops per step (their Python implementations,
+timed around the function the dispatcher calls; a compiled graph calls them the same way), and
+the rest of the step. ``--mlp-slice-budget-mib``: the glu_mlp backward's slice budget (tuning).
+CUDA only: ``PYTHONPATH=src python benchmarks/tuning/profile_step.py --shape qwen2.5-0.5b``."""
 
 import argparse
 import collections
@@ -35,14 +38,66 @@ def print_cprofile(step, top):
         print(text.replace("/usr/local/lib/python3", "").replace("site-packages/", ""), flush=True)
 
 
+def time_custom_ops():
+    """Wrap the function every tigon custom op's dispatcher entry calls with a host timer:
+    returns {op name: [calls, seconds]}, reset by the caller."""
+    import tigon.ops
+    from torch._library.custom_ops import CustomOpDef
+
+    totals = {}
+    for module in list(sys.modules.values()):
+        if not getattr(module, "__name__", "").startswith("tigon.ops."):
+            continue
+        for op in vars(module).values():
+            if not isinstance(op, CustomOpDef) or op._name in totals:
+                continue
+            totals[op._name] = entry = [0, 0.0]
+            for device, fn in list(op._backend_fns.items()):
+                def timed_fn(*args, _fn=fn, _entry=entry, **kwargs):
+                    start = time.perf_counter()
+                    try:
+                        return _fn(*args, **kwargs)
+                    finally:
+                        _entry[0] += 1
+                        _entry[1] += time.perf_counter() - start
+                op._backend_fns[device] = timed_fn
+    assert tigon.ops  # imported for its registrations
+    return totals
+
+
+def print_op_host_time(impl, step, totals, steps=5):
+    for entry in totals.values():
+        entry[:] = [0, 0.0]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / steps
+    inside = sum(s for _, s in totals.values()) / steps
+    print(f"{impl}: wall {wall * 1e3:.1f} ms/step, inside tigon's ops (host) {inside * 1e3:.1f} ms/step, "
+          f"{sum(c for c, _ in totals.values()) // steps} op calls/step", flush=True)
+    for name, (calls, seconds) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
+        if calls:
+            print(f"  {name:45s} {calls // steps:4d} calls {seconds / steps * 1e3:7.2f} ms/step "
+                  f"{seconds / calls * 1e6:7.1f} us/call", flush=True)
+
+
 def main():
     p = add_setup_args(argparse.ArgumentParser(), default_shape="qwen2.5-0.5b")
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--cprofile", type=int, default=0,
                    help="also print the top N Python functions of one step by own time (cProfile)")
     p.add_argument("--no-torch-profile", action="store_true", help="skip torch.profiler (timing and cProfile only)")
+    p.add_argument("--op-host-time", action="store_true", help="host time inside each tigon op per step")
+    p.add_argument("--mlp-slice-budget-mib", type=int, default=None, help="glu_mlp's backward slice budget")
     args = p.parse_args()
     import tigon
+    import tigon.ops.glu_mlp
+
+    if args.mlp_slice_budget_mib:
+        tigon.ops.glu_mlp.MLP_SLICE_BUDGET_BYTES = args.mlp_slice_budget_mib * 2**20
+    totals = time_custom_ops() if args.op_host_time else None
 
     model_type, kw = SHAPES[args.shape]
     for impl in args.impls.split(","):
@@ -69,6 +124,8 @@ def main():
             step()
         torch.cuda.synchronize()
         print(f"{impl}: unprofiled wall {(time.perf_counter() - start) / 5 * 1e3:.1f} ms/step", flush=True)
+        if totals is not None and impl.startswith("tigon"):
+            print_op_host_time(impl, step, totals)
         if args.cprofile:
             print_cprofile(step, args.cprofile)
         if args.no_torch_profile:

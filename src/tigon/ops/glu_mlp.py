@@ -64,16 +64,15 @@ DOWN_PROJ_MIN_SLICE_COLUMNS = 1024
 # matmuls large.
 DOWN_PROJ_FORWARD_SLICES = 4
 DOWN_PROJ_MIN_SLICE_ROWS = 2048
-# glu_mlp: bytes of one [tokens, slice] buffer (three are live in the backward). H100, a Llama-1B
-# MLP block under checkpoint, fwd+bwd at 8192 tokens (benchmarks/tuning/tune_mlp_checkpoint.py):
-# budgets of 16 / 32 / 64 / 128 MiB took 6.38 / 5.06 / 4.93 / 5.02 ms (peak 112 / 160 / 256 /
-# 448 MiB), against 5.45 ms (256 MiB) for the path that keeps gate and up. Below 32 MiB the
-# fp32 dx, read and written once per slice, and the narrower matmuls cost more than they save.
-MLP_SLICE_BUDGET_BYTES = 32 * 2**20
-# glu_mlp forward: it runs before the peak (the end of the backward, when the gradients exist),
-# so its slices are 4x wider: at 8192 tokens of a Llama-1B MLP, one slice instead of four, 4
-# host calls instead of 13 (the forward of a checkpointed step is host-bound on slow hosts).
-MLP_FORWARD_SLICE_BUDGET_BYTES = 128 * 2**20
+# glu_mlp: bytes of one [tokens, slice] buffer (three are live in the backward), forward and
+# backward. H100, a Llama-1B MLP block under checkpoint, fwd+bwd at 8192 tokens
+# (benchmarks/tuning/tune_mlp_checkpoint.py): budgets of 16 / 32 / 64 / 128 MiB took 6.38 / 5.06 /
+# 4.93 / 5.02 ms of GPU time (peak 112 / 160 / 256 / 448 MiB), against 5.45 ms (256 MiB) for the
+# path that keeps gate and up. The host decides at small batch: each slice costs ~11 host calls,
+# and a compiled Qwen2.5-0.5B step at 16 x 512 (H100 host) spent 31 ms of host time in the
+# backward with 32 MiB (3 slices) and 14 ms with 128 MiB (1 slice), 162 -> 141 ms per step.
+# From ~32K tokens on, MLP_MIN_SLICE_COLUMNS sets the width whatever the budget.
+MLP_SLICE_BUDGET_BYTES = 128 * 2**20
 # Narrower glu_mlp slices than this cost more than they save: more matmuls, and the fp32 dx read
 # and written once more per slice (with 512- and 256-column slices a Llama-1B step at batch 32
 # and 64 x 1024 ran 11% and 28% slower than with the MLP that keeps gate and up).
@@ -96,10 +95,9 @@ def down_proj_slice_rows(n_rows: int) -> int:
     return min(n_rows, max(rows, DOWN_PROJ_MIN_SLICE_ROWS))
 
 
-def mlp_slice_columns(n_rows: int, n_cols: int, element_size: int, budget: int | None = None) -> int:
+def mlp_slice_columns(n_rows: int, n_cols: int, element_size: int) -> int:
     """Columns of one glu_mlp slice of the intermediate (a multiple of 64, or all of I)."""
-    budget = MLP_SLICE_BUDGET_BYTES if budget is None else budget
-    width = budget // max(1, n_rows * element_size)
+    width = MLP_SLICE_BUDGET_BYTES // max(1, n_rows * element_size)
     width = max(MLP_MIN_SLICE_COLUMNS, width // 64 * 64)
     return min(n_cols, width)
 
@@ -351,7 +349,7 @@ def glu_mlp_forward(x, gate_weight, up_weight, down_weight, activation, multipli
     n_rows, n_cols = math.prod(x.shape[:-1]), gate_weight.shape[0]
     x2 = _as(as_rows(x), mm)
     wg, wu, wd = _as(gate_weight, mm), _as(up_weight, mm), _as(down_weight, mm)
-    forward_columns = slice_columns or mlp_slice_columns(n_rows, n_cols, mm.itemsize, MLP_FORWARD_SLICE_BUDGET_BYTES)
+    forward_columns = slice_columns or mlp_slice_columns(n_rows, n_cols, mm.itemsize)
     c = torch.empty((n_rows, n_cols), dtype=mm, device=x.device)
     for cols in column_slices(n_cols, forward_columns):
         ab_j = gate_up_slice(x2, wg, wu, cols)
