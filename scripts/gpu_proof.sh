@@ -67,7 +67,7 @@ case "$part" in
     ;;
   compile-check)  # torch.compile tests on the GPU (Inductor, CUDA graphs), host cost per op call
     mkdir -p "$OUT/compile"
-    timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q --gpu -p no:cacheprovider tests/integration/test_compile.py \
+    timeout ${TEST_TIMEOUT:-540} python3 -m pytest -q --gpu -p no:cacheprovider tests/integration/test_compile.py \
       > "$OUT/compile/gpu_compile_tests.log" 2>&1 || status=1
     tail -5 "$OUT/compile/gpu_compile_tests.log"
     timeout 60 python3 benchmarks/tuning/host_overhead.py 2>&1 | tee "$OUT/compile/host_overhead.log" || status=1
@@ -76,7 +76,10 @@ case "$part" in
     mkdir -p "$OUT/compile"
     timeout ${PROFILE_TIMEOUT:-300} python3 benchmarks/tuning/profile_step.py --shape qwen2.5-0.5b --batch 16 --seq 512 \
       --impls hf+compile,tigon+compile --cprofile 30 2>&1 | grep -v -i "warn\|backend impl" \
-      | tee "$OUT/compile/profile_qwen_batch16.log" || status=1
+      | tee "$OUT/compile/profile_qwen_batch16_cprofile.log" || status=1
+    timeout ${PROFILE_TIMEOUT:-300} python3 benchmarks/tuning/profile_step.py --shape qwen2.5-0.5b --batch 16 --seq 512 \
+      --impls tigon+compile,tigon --op-host-time --no-torch-profile 2>&1 | grep -v -i "warn\|backend impl" \
+      | tee "$OUT/compile/profile_op_host_time_batch16.log" || status=1
     ;;
   launch-check)  # host cost per call before/after (scratch/baseline/src: an older commit, when carried)
     # and the cached launcher's end-to-end effect (TIGON_FAST_LAUNCH=0 / 1)
