@@ -53,16 +53,20 @@ def layer_norm(x, weight, bias, eps=1e-5) -> torch.Tensor:
     return layer_norm_op(x, weight, bias, float(eps))[0]
 
 
-def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, interleaved=False):
     """HF's ``apply_rotary_pos_emb`` in one kernel: returns (q_embed, k_embed).
 
     q [B, Hq, T, D], k [B, Hk, T, D] (or [B, T, H, D] with unsqueeze_dim=2); cos, sin
     [1|B, T, R] (R <= D, even). With position_ids [1|B, T], cos / sin are tables [P, R].
+    ``interleaved=True``: adjacent pairs (x[2j], x[2j+1]) rotate together (torchtune's layout)
+    and cos / sin hold one angle per pair, [.., R/2].
     """
     check_tensor_args(q=q, k=k, cos=cos, sin=sin, position_ids=position_ids)
     check_unsqueeze_dim(unsqueeze_dim)
     check_constant_tables(cos, sin)
-    return rope_op(q, k, cos, sin, position_ids, unsqueeze_dim)
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"interleaved must be a bool, got {interleaved!r}")
+    return rope_op(q, k, cos, sin, position_ids, unsqueeze_dim, interleaved)
 
 
 def glu(a, b, activation="silu", gate_multiplier=1.0, out_multiplier=1.0) -> torch.Tensor:

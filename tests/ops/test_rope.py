@@ -255,3 +255,76 @@ def test_rope_compiles_without_graph_breaks(positions):
         return (out_q * out_q).sum() + (out_k * 3.0).sum()
 
     assert_compiles_like_eager(loss, [proj_q, proj_k])
+
+
+# ---- interleaved pairs (torchtune's layout) ----
+
+def ref_rope_interleaved(x, cos, sin, unsqueeze_dim=2):
+    """torchtune's RotaryPositionalEmbeddings: adjacent pairs (x[2j], x[2j+1]) rotate by the
+    pair's angle; cos, sin [.., T, R/2] (one angle per pair); dims past R pass through."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    rot = 2 * cos.shape[-1]
+    pairs = x[..., :rot].unflatten(-1, (-1, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2)
+    return torch.cat((rotated, x[..., rot:]), dim=-1)
+
+
+def pair_angles(batch, tokens, n_pairs, dtype, base=10000.0):
+    """cos, sin [1, T, R/2] of torchtune's rope cache (one angle per pair)."""
+    theta = 1.0 / (base ** (torch.arange(0, 2 * n_pairs, 2, dtype=torch.float64) / (2 * n_pairs)))
+    angles = torch.arange(tokens, dtype=torch.float64)[None, :, None] * theta
+    from tests.helpers import DEVICE
+    return angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
+@pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
+def test_rope_interleaved_matches_torchtune(shape, dtype, layout, partial):
+    batch, hq, hk, tokens, dim = shape
+    q, k = make_qk(shape, dtype, layout, non_contiguous=layout == "bhtd")
+    unsqueeze_dim = 1 if layout == "bhtd" else 2
+    n_pairs = dim // 4 if partial else dim // 2
+    cos, sin = pair_angles(batch, tokens, n_pairs, dtype)
+    check_op(lambda q, k: TF.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, interleaved=True),
+             lambda q, k: (ref_rope_interleaved(q, cos.to(q.dtype), sin.to(q.dtype), unsqueeze_dim),
+                           ref_rope_interleaved(k, cos.to(k.dtype), sin.to(k.dtype), unsqueeze_dim)),
+             [q, k], dtype=dtype, what=f"rope interleaved[{layout}]")
+
+
+def test_rope_interleaved_position_ids_and_no_k_heads():
+    """torchtune rotates q and k one at a time: k may have no heads; positions gather per
+    sequence (packed documents)."""
+    batch, hq, tokens, dim, table = 2, 3, 6, 16, 20
+    q = randn((batch, tokens, hq, dim), torch.float32, requires_grad=True)
+    k = torch.empty((batch, tokens, 0, dim), device=q.device)
+    cos_t, sin_t = pair_angles(1, table, dim // 2, torch.float32)
+    pos = torch.randint(0, table, (batch, tokens), device=q.device)
+    out, out_k = TF.apply_rotary_pos_emb(q, k, cos_t[0], sin_t[0], position_ids=pos, unsqueeze_dim=2,
+                                         interleaved=True)
+    assert out_k.shape == k.shape
+    expected = ref_rope_interleaved(q, cos_t[0][pos], sin_t[0][pos])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    g = randn(out.shape, torch.float32)
+    (dq,) = torch.autograd.grad(out, q, g)
+    rq = q.detach().clone().requires_grad_()
+    (ref_dq,) = torch.autograd.grad(ref_rope_interleaved(rq, cos_t[0][pos], sin_t[0][pos]), rq, g)
+    torch.testing.assert_close(dq, ref_dq, rtol=1e-5, atol=1e-5)
+
+
+def test_rope_interleaved_bad_tables_and_opcheck():
+    from tigon.ops.rope import rope_backward_op, rope_op
+
+    q, k = make_qk((2, 3, 1, 5, 8), torch.float32, "bthd", False)
+    cos, sin = pair_angles(1, 5, 4, torch.float32)
+    with pytest.raises(ValueError, match="one angle per rotated pair"):
+        TF.apply_rotary_pos_emb(q, k, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1), unsqueeze_dim=2,
+                                interleaved=True)
+    with pytest.raises(TypeError, match="interleaved must be a bool"):
+        TF.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2, interleaved=1)
+    assert set(torch.library.opcheck(rope_op, (q, k, cos, sin, None, 2, True)).values()) == {"SUCCESS"}
+    grads = (randn(q.shape, torch.float32), randn(k.shape, torch.float32))
+    checks = torch.library.opcheck(rope_backward_op, (*grads, cos, sin, None, 2, [], [], True))
+    assert set(checks.values()) == {"SUCCESS"}

@@ -6,6 +6,10 @@ any strides with a unit last stride; Hq != Hk (GQA) is fine. cos, sin [T, R] or 
 with R <= D even: the first R dims rotate, the rest pass through (partial rotary, as Phi-3).
 With ``position_ids`` [1|B, T], cos and sin are tables [P, R] or [1, P, R] gathered in the
 kernel at those positions. cos and sin are constants (no gradient), as HF computes them.
+
+``interleaved=True`` rotates adjacent pairs (x[2j], x[2j+1]) instead of halves (torchtune's,
+GPT-J's and Meta's layout), and cos, sin then hold one angle per pair: [.., R/2] for R rotated
+dims (torchtune's rope cache [..., 0] and [..., 1]).
 """
 
 from __future__ import annotations
@@ -30,21 +34,31 @@ from tigon.ops._internals import launch
 
 
 @triton.jit
-def rope_load_heads(X, sxb, sxh, sxt, b, t, n_heads, half_rot, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The two rotated halves [BLOCK_H, BLOCK_D] (fp32) of every head of token (b, t)."""
+def rope_pair_offsets(d, half_rot, INTERLEAVED: tl.constexpr):
+    """Offsets in a head of the two elements rotated together: halves, or adjacent pairs."""
+    if INTERLEAVED:
+        return 2 * d, 2 * d + 1
+    return d, half_rot + d
+
+
+@triton.jit
+def rope_load_heads(X, sxb, sxh, sxt, b, t, n_heads, half_rot, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                    INTERLEAVED: tl.constexpr):
+    """The two rotated parts [BLOCK_H, BLOCK_D] (fp32) of every head of token (b, t)."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     mask = (h[:, None] < n_heads) & (d[None, :] < half_rot)
-    base = X + b * sxb + t * sxt + h[:, None] * sxh + d[None, :]
-    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + half_rot, mask=mask, other=0.0).to(tl.float32)
+    base = X + b * sxb + t * sxt + h[:, None] * sxh
+    first, second = rope_pair_offsets(d, half_rot, INTERLEAVED)
+    x1 = tl.load(base + first[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + second[None, :], mask=mask, other=0.0).to(tl.float32)
     return x1, x2
 
 
 @triton.jit
 def rope_store_heads(
     X, sxb, sxh, sxt, Y, syb, syh, syt, b, t, n_heads, head_dim, half_rot, x1, x2, c1, c2, s1, s2,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
     """y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2; dims past the rotated part are copied from X."""
     h = tl.arange(0, BLOCK_H)
@@ -53,8 +67,9 @@ def rope_store_heads(
     y_base = Y + b * syb + t * syt + h[:, None] * syh
     y1 = x1 * c1[None, :] - x2 * s1[None, :]
     y2 = x2 * c2[None, :] + x1 * s2[None, :]
-    tl.store(y_base + d[None, :], y1.to(Y.dtype.element_ty), mask=mask)
-    tl.store(y_base + half_rot + d[None, :], y2.to(Y.dtype.element_ty), mask=mask)
+    first, second = rope_pair_offsets(d, half_rot, INTERLEAVED)
+    tl.store(y_base + first[None, :], y1.to(Y.dtype.element_ty), mask=mask)
+    tl.store(y_base + second[None, :], y2.to(Y.dtype.element_ty), mask=mask)
     if BLOCK_PASS > 0:
         p = 2 * half_rot + tl.arange(0, BLOCK_PASS)
         pass_mask = (h[:, None] < n_heads) & (p[None, :] < head_dim)
@@ -70,6 +85,7 @@ def rope_kernel(
     seq_len, n_q_heads, n_k_heads, head_dim, half_rot,
     HAS_POS: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    INTERLEAVED: tl.constexpr = False,
 ):
     """One program per token (b, t): loads its cos/sin row once and rotates every q and k head.
     All loads are issued before the first store (the compiler may not move loads past stores).
@@ -88,17 +104,21 @@ def rope_kernel(
     d = tl.arange(0, BLOCK_D)
     dm = d < half_rot
     c1 = tl.load(COS + cs_offset + d, mask=dm, other=0.0).to(tl.float32)
-    c2 = tl.load(COS + cs_offset + half_rot + d, mask=dm, other=0.0).to(tl.float32)
     s1 = tl.load(SIN + cs_offset + d, mask=dm, other=0.0).to(tl.float32)
-    s2 = tl.load(SIN + cs_offset + half_rot + d, mask=dm, other=0.0).to(tl.float32)
+    if INTERLEAVED:  # one angle per pair
+        c2 = c1
+        s2 = s1
+    else:
+        c2 = tl.load(COS + cs_offset + half_rot + d, mask=dm, other=0.0).to(tl.float32)
+        s2 = tl.load(SIN + cs_offset + half_rot + d, mask=dm, other=0.0).to(tl.float32)
     if BACKWARD:
         s1, s2 = -s2, -s1
-    q1, q2 = rope_load_heads(Q, sqb, sqh, sqt, b, t, n_q_heads, half_rot, BLOCK_HQ, BLOCK_D)
-    k1, k2 = rope_load_heads(K, skb, skh, skt, b, t, n_k_heads, half_rot, BLOCK_HK, BLOCK_D)
+    q1, q2 = rope_load_heads(Q, sqb, sqh, sqt, b, t, n_q_heads, half_rot, BLOCK_HQ, BLOCK_D, INTERLEAVED)
+    k1, k2 = rope_load_heads(K, skb, skh, skt, b, t, n_k_heads, half_rot, BLOCK_HK, BLOCK_D, INTERLEAVED)
     rope_store_heads(Q, sqb, sqh, sqt, QO, sqob, sqoh, sqot, b, t, n_q_heads, head_dim, half_rot,
-                     q1, q2, c1, c2, s1, s2, BLOCK_HQ, BLOCK_D, BLOCK_PASS)
+                     q1, q2, c1, c2, s1, s2, BLOCK_HQ, BLOCK_D, BLOCK_PASS, INTERLEAVED)
     rope_store_heads(K, skb, skh, skt, KO, skob, skoh, skot, b, t, n_k_heads, head_dim, half_rot,
-                     k1, k2, c1, c2, s1, s2, BLOCK_HK, BLOCK_D, BLOCK_PASS)
+                     k1, k2, c1, c2, s1, s2, BLOCK_HK, BLOCK_D, BLOCK_PASS, INTERLEAVED)
 
 
 def _bhtd_strides(x, unsqueeze_dim):
@@ -112,14 +132,15 @@ def _unit_last_stride(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def rope_apply(q, k, cos, sin, position_ids, unsqueeze_dim, backward, num_warps=None, out_strides=None):
+def rope_apply(q, k, cos, sin, position_ids, unsqueeze_dim, backward, num_warps=None, out_strides=None,
+               interleaved=False):
     """Launch the kernel on checked inputs; returns new (q_out, k_out) in q's and k's layouts,
     or with ``out_strides`` (two dense_strides results) when given."""
     q, k = _unit_last_stride(q), _unit_last_stride(k)
     h_axis, t_axis = (1, 2) if unsqueeze_dim == 1 else (2, 1)
     batch, seq_len, head_dim = q.shape[0], q.shape[t_axis], q.shape[3]
     n_q_heads, n_k_heads = q.shape[h_axis], k.shape[h_axis]
-    rot = cos.shape[-1]
+    rot = rotated_dims(cos, interleaved)
     cos3, sin3 = cos.reshape(-1, *cos.shape[-2:]), sin.reshape(-1, *sin.shape[-2:])
     cos3, sin3 = _unit_last_stride(cos3), _unit_last_stride(sin3)
     if cos3.stride() != sin3.stride():
@@ -149,7 +170,7 @@ def rope_apply(q, k, cos, sin, position_ids, unsqueeze_dim, backward, num_warps=
             seq_len, n_q_heads, n_k_heads, head_dim, half_rot,
             HAS_POS=position_ids is not None, BACKWARD=backward,
             BLOCK_HQ=next_pow2(n_q_heads), BLOCK_HK=next_pow2(n_k_heads),
-            BLOCK_D=block_d, BLOCK_PASS=block_pass,
+            BLOCK_D=block_d, BLOCK_PASS=block_pass, INTERLEAVED=interleaved,
             # H100, bf16: 4 warps for up to 2K elements a token, else 8 (83-88% of copy bandwidth).
             num_warps=num_warps or (4 if (n_q_heads + n_k_heads) * head_dim <= 2048 else 8),
         )
@@ -192,7 +213,12 @@ def check_constant_tables(cos, sin):
         raise ValueError(TABLES_REQUIRE_GRAD)
 
 
-def check_rope_args(q, k, cos, sin, position_ids, unsqueeze_dim):
+def rotated_dims(cos, interleaved) -> int:
+    """Dims of a head that rotate: cos's last dim, or twice it (one angle per interleaved pair)."""
+    return cos.shape[-1] * 2 if interleaved else cos.shape[-1]
+
+
+def check_rope_args(q, k, cos, sin, position_ids, unsqueeze_dim, interleaved=False):
     """Checks of metadata only (they run on FakeTensors too); see check_positions_in_table."""
     check_unsqueeze_dim(unsqueeze_dim)
     check_tensor("q", q, ndim=4)
@@ -210,7 +236,10 @@ def check_rope_args(q, k, cos, sin, position_ids, unsqueeze_dim):
         raise ValueError(f"cos has shape {tuple(cos.shape)} but sin has shape {tuple(sin.shape)}")
     if cos.ndim > 3 and any(s != 1 for s in cos.shape[:-3]):
         raise ValueError(f"cos must be [T, R] or [1|B, T, R], got shape {tuple(cos.shape)}")
-    rot = cos.shape[-1]
+    rot = rotated_dims(cos, interleaved)
+    if interleaved and (rot > head_dim or rot == 0):
+        raise ValueError(f"with interleaved=True cos holds one angle per rotated pair: its last dim "
+                         f"{cos.shape[-1]} must be non-zero and at most half the head dim {head_dim}")
     if rot % 2 or rot > head_dim or rot == 0:
         raise ValueError(f"cos's last dim {rot} must be even, non-zero and at most the head dim {head_dim}")
     cos_batch = cos.shape[-3] if cos.ndim >= 3 else 1
@@ -248,49 +277,51 @@ def check_positions_in_table(position_ids, cos):
 
 
 @torch.library.custom_op("tigon::rope", mutates_args=())
-def rope_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor], unsqueeze_dim: int
-            ) -> tuple[Tensor, Tensor]:
+def rope_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor], unsqueeze_dim: int,
+            interleaved: bool = False) -> tuple[Tensor, Tensor]:
     """(q_embed, k_embed) of q, k [B, H, T, D] (``unsqueeze_dim=1``) or [B, T, H, D] (2)."""
-    check_rope_args(q, k, cos, sin, position_ids, unsqueeze_dim)
+    check_rope_args(q, k, cos, sin, position_ids, unsqueeze_dim, interleaved)
     check_positions_in_table(position_ids, cos)
     return rope_apply(q, k, cos, sin, position_ids, unsqueeze_dim, backward=False,
-                      out_strides=(dense_strides(q), dense_strides(k)))
+                      out_strides=(dense_strides(q), dense_strides(k)), interleaved=interleaved)
 
 
 @rope_op.register_fake
-def _(q, k, cos, sin, position_ids, unsqueeze_dim):
-    check_rope_args(q, k, cos, sin, position_ids, unsqueeze_dim)
+def _(q, k, cos, sin, position_ids, unsqueeze_dim, interleaved=False):
+    check_rope_args(q, k, cos, sin, position_ids, unsqueeze_dim, interleaved)
     return (new_with_strides(q.shape, q.dtype, q.device, dense_strides(q)),
             new_with_strides(k.shape, k.dtype, k.device, dense_strides(k)))
 
 
 @torch.library.custom_op("tigon::rope_backward", mutates_args=())
 def rope_backward_op(grad_q: Tensor, grad_k: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor],
-                     unsqueeze_dim: int, q_strides: list[int], k_strides: list[int]) -> tuple[Tensor, Tensor]:
+                     unsqueeze_dim: int, q_strides: list[int], k_strides: list[int], interleaved: bool = False
+                     ) -> tuple[Tensor, Tensor]:
     """(dq, dk) laid out with ``q_strides`` / ``k_strides`` (empty: contiguous)."""
     return rope_apply(grad_q, grad_k, cos, sin, position_ids, unsqueeze_dim, backward=True,
-                      out_strides=(q_strides or None, k_strides or None))
+                      out_strides=(q_strides or None, k_strides or None), interleaved=interleaved)
 
 
 @rope_backward_op.register_fake
-def _(grad_q, grad_k, cos, sin, position_ids, unsqueeze_dim, q_strides, k_strides):
+def _(grad_q, grad_k, cos, sin, position_ids, unsqueeze_dim, q_strides, k_strides, interleaved=False):
     return (new_with_strides(grad_q.shape, grad_q.dtype, grad_q.device, q_strides or None),
             new_with_strides(grad_k.shape, grad_k.dtype, grad_k.device, k_strides or None))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, cos, sin, position_ids, unsqueeze_dim = inputs
+    q, k, cos, sin, position_ids, unsqueeze_dim, interleaved = inputs
     if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
         raise ValueError(TABLES_REQUIRE_GRAD)
     ctx.tables = (cos, sin, position_ids)  # constants: kept, not saved (see the note in tigon.ops._common)
-    ctx.unsqueeze_dim = unsqueeze_dim
+    ctx.unsqueeze_dim, ctx.interleaved = unsqueeze_dim, interleaved
     ctx.grad_strides = tuple(list(strides or ()) for strides in (dense_strides(q), dense_strides(k)))
 
 
 def _backward(ctx, grad_q, grad_k):
     cos, sin, position_ids = ctx.tables
-    dq, dk = rope_backward_op(grad_q, grad_k, cos, sin, position_ids, ctx.unsqueeze_dim, *ctx.grad_strides)
-    return dq, dk, None, None, None, None
+    dq, dk = rope_backward_op(grad_q, grad_k, cos, sin, position_ids, ctx.unsqueeze_dim, *ctx.grad_strides,
+                              ctx.interleaved)
+    return dq, dk, None, None, None, None, None
 
 
 rope_op.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,221 @@
+"""tigon in torchtune: ``patch(model)`` patches a built torchtune ``TransformerDecoder`` in place,
+``loss_for(model)`` gives the loss its recipes call.
+
+Patched: every ``RMSNorm`` (tigon's kernel; fp32 throughout, as torchtune's), every rotary
+embedding of torchtune's own kinds (``RotaryPositionalEmbeddings`` and Llama 3.1's
+``Llama3ScaledRoPE``, which rotate interleaved pairs, and Qwen2's, which rotates halves), every
+gated ``FeedForward`` (SiLU or GELU, with an up projection: tigon's fused MLP, which keeps only its
+input inside activation checkpointing), and the output: in training mode the patched decoder
+returns its final normed hidden state [b, s, d] instead of logits, and the loss of ``loss_for``
+multiplies it by the output projection (``nn.Linear`` or ``TiedLinear``) chunk by chunk inside
+tigon's fused linear cross entropy, so the [b, s, vocab] logits never exist. In eval mode the
+decoder returns logits as before. torchtune is an optional dependency
+(``pip install tigon[torchtune]``); this module imports it only when called.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tigon import functional as TF
+from tigon.ops._common import thread_flag
+from tigon.ops.cross_entropy import deferred_label_checks
+from tigon.ops.glu_mlp import gated_mlp
+from tigon.patching.forwards import _CHECKPOINTED_LAYERS, identify_activation
+
+# Instance attributes ``patch`` sets (functions marked ``_tigon``), removed by ``unpatch``.
+_PATCHED_ATTRS = ("forward", "unembed")
+
+
+def _bind(fn, module):
+    fn._tigon = True
+    return types.MethodType(fn, module)
+
+
+def _torchtune_modules():
+    try:
+        from torchtune.modules import FeedForward, RMSNorm, TiedLinear, TransformerDecoder
+    except ImportError as exc:
+        raise ImportError("tigon.torchtune needs torchtune: pip install 'tigon[torchtune]'") from exc
+    return FeedForward, RMSNorm, TiedLinear, TransformerDecoder
+
+
+def _rope_kinds() -> dict:
+    """torchtune's rotary embedding classes tigon patches -> whether they rotate interleaved pairs."""
+    from torchtune.models.llama3_1 import Llama3ScaledRoPE
+    from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
+    from torchtune.modules import RotaryPositionalEmbeddings
+
+    return {RotaryPositionalEmbeddings: True, Llama3ScaledRoPE: True, Qwen2RotaryPositionalEmbeddings: False}
+
+
+@dataclass
+class TorchtunePatchReport:
+    """What ``patch`` changed: modules patched per kind, and what it left alone and why."""
+
+    patched: dict = field(default_factory=dict)
+    skipped: list = field(default_factory=list)
+
+    def __str__(self):
+        done = ", ".join(f"{n} {kind}" for kind, n in self.patched.items()) or "nothing"
+        lines = [f"tigon patched a torchtune TransformerDecoder: {done}"]
+        lines += [f"  not patched: {why}" for why in self.skipped]
+        return "\n".join(lines)
+
+
+def _rms_norm_forward(self, x):
+    # torchtune's RMSNorm: F.rms_norm on x in fp32 with the weight promoted to fp32, then cast
+    # to x's dtype: tigon's casting "gemma" with no offset.
+    return TF.rms_norm(x, self.scale, eps=self.eps, casting="gemma")
+
+
+def _make_rope_forward(interleaved: bool):
+    def forward(self, x, *, input_pos=None):
+        """x [b, s, n_h, h_d] rotated at positions input_pos [b, s] (or 0..s-1)."""
+        if getattr(self, "is_cache_built", True) is False:
+            raise RuntimeError("RoPE cache is not built. Please call rope_init() first.")
+        if interleaved:  # cache [P, h_d / 2, 2]: (cos, sin) of each pair's angle
+            cos, sin = self.cache.permute(2, 0, 1).contiguous().unbind(0)
+        else:  # Qwen2's cache [P, 2 h_d]: cos then sin, each over both halves
+            cos, sin = self.cache.chunk(2, dim=-1)
+        if input_pos is None:
+            cos, sin, input_pos = cos[: x.shape[1]], sin[: x.shape[1]], None
+        elif input_pos.ndim == 1:
+            input_pos = input_pos[None]
+        # tigon's RoPE rotates q and k in one launch; torchtune calls it per tensor: no k heads.
+        no_heads = x.new_empty((x.shape[0], x.shape[1], 0, x.shape[3]))
+        return TF.apply_rotary_pos_emb(x, no_heads, cos, sin, position_ids=input_pos, unsqueeze_dim=2,
+                                       interleaved=interleaved)[0]
+    return forward
+
+
+def _make_feed_forward_forward(activation: str):
+    def forward(self, x):
+        checkpointed = _CHECKPOINTED_LAYERS.on if torch.compiler.is_compiling() else None
+        # The layer adds the MLP's output to the residual and saves nothing after it: the
+        # MLP may keep only its input in a checkpointed layer.
+        return gated_mlp(x, self.w1, self.w3, self.w2, activation, keep_input_only=True, checkpointed=checkpointed)
+    return forward
+
+
+def _checkpointed_layers(model) -> bool:
+    """A training call under torch.compile of a decoder whose layers torchtune wrapped for
+    activation checkpointing (torch.compile traces them without the hooks eager calls see)."""
+    if not (torch.compiler.is_compiling() and model.training and torch.is_grad_enabled()):
+        return False
+    return any(type(layer).__name__ == "CheckpointWrapper" for layer in model.layers)
+
+
+def _make_decoder_forward(original):
+    def forward(self, *args, **kwargs):
+        with thread_flag(_CHECKPOINTED_LAYERS, _checkpointed_layers(self)):
+            return original(*args, **kwargs)
+    return forward
+
+
+def _make_unembed(original):
+    def unembed(self, h):
+        if self.training:  # the final hidden state, for the loss of tigon.torchtune.loss_for
+            return self.norm(h)
+        return original(h)
+    return unembed
+
+
+def output_weight(model) -> torch.Tensor:
+    """The [vocab, d] weight of the decoder's output projection (tied to the embedding or not)."""
+    _, _, TiedLinear, _ = _torchtune_modules()
+    output = model.output
+    if isinstance(output, TiedLinear):
+        return output.tied_module.weight
+    if type(output) is nn.Linear and output.bias is None:
+        return output.weight
+    raise TypeError(f"the decoder's output is {type(output).__name__}; tigon's loss takes an nn.Linear without "
+                    "bias or a TiedLinear")
+
+
+def patch(model, *, rms_norm: bool = True, rope: bool = True, feed_forward: bool = True,
+          output: bool = True) -> TorchtunePatchReport:
+    """Patch a built torchtune ``TransformerDecoder`` in place (see the module docstring). Patch
+    before ``torch.compile`` and before wrapping for FSDP; activation checkpointing may be
+    applied before or after. With ``output=True`` train with ``loss_for(model)``."""
+    FeedForward, RMSNorm, _, TransformerDecoder = _torchtune_modules()
+    if not isinstance(model, TransformerDecoder):
+        raise TypeError(f"model must be a torchtune TransformerDecoder, got {type(model).__name__}")
+    if getattr(model, "_tigon_patched", False):
+        raise RuntimeError("this model is already patched by tigon.torchtune (unpatch it first)")
+    report = TorchtunePatchReport()
+    count = dict.fromkeys(("RMSNorm", "RoPE", "FeedForward"), 0)
+    rope_kinds = _rope_kinds() if rope else {}
+    for name, module in model.named_modules():
+        if type(module) in rope_kinds:
+            module.forward = _bind(_make_rope_forward(rope_kinds[type(module)]), module)
+            count["RoPE"] += 1
+        elif rms_norm and isinstance(module, RMSNorm):
+            module.forward = _bind(_rms_norm_forward, module)
+            count["RMSNorm"] += 1
+        elif feed_forward and isinstance(module, FeedForward):
+            activation = identify_activation(module.activation)
+            if module.w3 is None or activation is None:
+                why = "no up projection (w3)" if module.w3 is None else f"activation {module.activation!r}"
+                report.skipped.append(f"{name}: FeedForward with {why}")
+                continue
+            module.forward = _bind(_make_feed_forward_forward(activation), module)
+            count["FeedForward"] += 1
+    if output:
+        output_weight(model)  # the error now, not at the first loss
+        model.unembed = _bind(_make_unembed(type(model).unembed.__get__(model)), model)
+        report.patched["output (hidden states to the loss)"] = 1
+    model.forward = _bind(_make_decoder_forward(type(model).forward.__get__(model)), model)
+    report.patched.update({k: v for k, v in count.items() if v})
+    model._tigon_patched = True
+    return report
+
+
+def unpatch(model) -> None:
+    """Undo ``patch`` on this model (the instance attributes it set)."""
+    for module in model.modules():
+        for attr in _PATCHED_ATTRS:
+            bound = vars(module).get(attr)
+            if isinstance(bound, types.MethodType) and getattr(bound.__func__, "_tigon", False):
+                delattr(module, attr)
+    vars(model).pop("_tigon_patched", None)
+
+
+class FusedLinearCrossEntropyLoss(nn.Module):
+    """Cross entropy of ``hidden @ W^T`` against labels, W the patched decoder's output weight,
+    without forming the logits (tigon.functional.fused_linear_cross_entropy); the mean over the
+    tokens whose label is not ``ignore_index``, as torchtune's CEWithChunkedOutputLoss and
+    nn.CrossEntropyLoss. Called as the recipes call their loss: ``loss(hidden, labels)`` with
+    hidden [b, s, d] or [b*s, d] (or a list of chunks along s) and labels [b, s] or [b*s].
+    ``num_output_chunks`` is kept for recipes that read it; tigon chunks by its own budget
+    (``chunk_budget`` bytes of logits)."""
+
+    def __init__(self, model, ignore_index: int = -100, chunk_budget: int | None = None):
+        super().__init__()
+        self._weight_of = lambda: output_weight(model)  # not a submodule: the model is not the loss's
+        self.ignore_index = ignore_index
+        self.chunk_budget = chunk_budget
+        self.num_output_chunks = 0
+
+    def forward(self, hidden, labels: torch.Tensor) -> torch.Tensor:
+        if isinstance(hidden, (list, tuple)):
+            hidden = torch.cat(list(hidden), dim=-2)
+        if hidden.shape[:-1].numel() != labels.numel():
+            raise ValueError(f"hidden has {hidden.shape[:-1].numel()} tokens (shape {tuple(hidden.shape)}) but labels "
+                             f"has {labels.numel()} (shape {tuple(labels.shape)}); in training mode the patched "
+                             "decoder returns hidden states [b, s, d]")
+        with deferred_label_checks():  # a bad label raises at a later step instead of syncing this one
+            return TF.fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self._weight_of(),
+                                                 labels.reshape(-1), ignore_index=self.ignore_index,
+                                                 chunk_budget=self.chunk_budget)
+
+
+def loss_for(model, ignore_index: int = -100, chunk_budget: int | None = None) -> FusedLinearCrossEntropyLoss:
+    """The loss a decoder patched with ``output=True`` trains with (in place of the recipe's
+    ``CEWithChunkedOutputLoss``)."""
+    output_weight(model)
+    return FusedLinearCrossEntropyLoss(model, ignore_index=ignore_index, chunk_budget=chunk_budget)

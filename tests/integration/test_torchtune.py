@@ -1,0 +1,208 @@
+"""tigon.torchtune on a tiny torchtune Llama 3.2 decoder: the patched decoder's hidden states
+through ``loss_for`` give the loss and gradients of the stock decoder's logits through cross
+entropy (the recipes' label shift included), tied and untied, packed, under activation
+checkpointing and under torch.compile; eval mode keeps logits."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers import DEVICE, pick
+
+pytest.importorskip("torchtune")
+import tigon.torchtune as tt  # noqa: E402
+
+VOCAB, SEQ = 160, 24
+BACKEND = pick(cpu="aot_eager", gpu="inductor")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+# torchtune builders by the rotary embedding they use: Llama 3 (RotaryPositionalEmbeddings) and
+# Llama 3.2 (Llama3ScaledRoPE) rotate interleaved pairs, Qwen2 rotates halves (and has q/k/v biases).
+FAMILIES = ["llama3_2", "llama3", "qwen2"]
+
+
+def decoder(tie=True, dtype=torch.float32, family="llama3_2"):
+    from torchtune.models.llama3 import llama3
+    from torchtune.models.llama3_2 import llama3_2
+    from torchtune.models.qwen2 import qwen2
+
+    shape = dict(vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=64, max_seq_len=64,
+                 intermediate_dim=96)
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        if family == "llama3_2":
+            model = llama3_2(**shape, tie_word_embeddings=tie)
+        elif family == "qwen2":
+            model = qwen2(**shape, tie_word_embeddings=tie)
+        else:
+            assert not tie, "torchtune's llama3 builder has an untied output"
+            model = llama3(**shape)
+    return model.to(dtype).train()
+
+
+def recipe_batch(batch=2):
+    """tokens, and labels shifted as the recipes shift them (ignore_index at the end), with a
+    few ignored positions inside."""
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
+    labels = tokens.clone()
+    labels[0, :5] = -100
+    labels = torch.hstack((labels[..., 1:], torch.full((batch, 1), -100)))
+    return tokens.to(DEVICE), labels.to(DEVICE)
+
+
+def reference_loss(model, tokens, labels, **kwargs):
+    logits = model(tokens, **kwargs)
+    return F.cross_entropy(logits.reshape(-1, VOCAB).float(), labels.reshape(-1), ignore_index=-100)
+
+
+def assert_same_gradients(ref, model, tol):
+    for (name, a), (_, b) in zip(ref.named_parameters(), model.named_parameters()):
+        assert b.grad is not None and torch.isfinite(b.grad).all(), name
+        scale = a.grad.abs().max().clamp_min(1e-6)
+        assert (a.grad - b.grad).abs().max() <= tol * scale, name
+
+
+def patched_pair(tie=True, dtype=torch.float32, family="llama3_2"):
+    ref = decoder(tie, dtype, family)
+    model = copy.deepcopy(ref)
+    report = tt.patch(model)
+    return ref, model, report
+
+
+@pytest.mark.parametrize("family,tie", [("llama3_2", True), ("llama3_2", False), ("llama3", False), ("qwen2", True)])
+def test_patched_decoder_matches_torchtune(family, tie):
+    ref, model, report = patched_pair(tie, family=family)
+    assert report.patched == {"output (hidden states to the loss)": 1, "RMSNorm": 5, "RoPE": 1, "FeedForward": 2}, report  # one RoPE module, shared by the layers
+    tokens, labels = recipe_batch()
+    expected = reference_loss(ref, tokens, labels)
+    expected.backward()
+    hidden = model(tokens)
+    assert hidden.shape == (2, SEQ, 64)
+    loss = tt.loss_for(model)(hidden.reshape(-1, 64), labels.reshape(-1))  # as the recipe calls it
+    loss.backward()
+    assert torch.allclose(loss, expected, rtol=1e-5, atol=1e-6)
+    assert_same_gradients(ref, model, tol=1e-4)
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        assert torch.allclose(model(tokens), ref(tokens), rtol=1e-4, atol=1e-4)  # eval: logits
+
+
+def test_bf16_decoder_close_to_torchtune():
+    ref, model, _ = patched_pair(dtype=torch.bfloat16)
+    tokens, labels = recipe_batch()
+    expected = reference_loss(ref, tokens, labels)
+    loss = tt.loss_for(model)(model(tokens), labels)  # [b, s, d] and [b, s] work too
+    assert loss.dtype == torch.float32
+    assert abs(loss.item() - expected.item()) <= 2e-2 * abs(expected.item())
+
+
+@pytest.mark.parametrize("family", ["llama3_2", "qwen2"])
+def test_packed_batch_with_document_mask(family):
+    """torchtune's packed datasets pass a block-causal mask [b, s, s] and per-document positions."""
+    ref, model, _ = patched_pair(tie=family == "qwen2", family=family)
+    tokens, labels = recipe_batch()
+    doc = torch.arange(SEQ) >= 10  # two documents per row: 10 and SEQ - 10 tokens
+    same_doc = doc[:, None] == doc[None, :]
+    mask = (same_doc & torch.ones(SEQ, SEQ, dtype=torch.bool).tril()).expand(2, SEQ, SEQ).to(DEVICE)
+    input_pos = torch.cat([torch.arange(10), torch.arange(SEQ - 10)]).expand(2, SEQ).to(DEVICE)
+    expected = reference_loss(ref, tokens, labels, mask=mask, input_pos=input_pos)
+    expected.backward()
+    loss = tt.loss_for(model)(model(tokens, mask=mask, input_pos=input_pos), labels)
+    loss.backward()
+    assert torch.allclose(loss, expected, rtol=1e-5, atol=1e-6)
+    assert_same_gradients(ref, model, tol=1e-4)
+
+
+def test_activation_checkpointing():
+    from torchtune.modules import TransformerSelfAttentionLayer
+    from torchtune.training import set_activation_checkpointing
+
+    ref, model, _ = patched_pair()
+    for m in (ref, model):
+        set_activation_checkpointing(m, auto_wrap_policy={TransformerSelfAttentionLayer})
+    tokens, labels = recipe_batch()
+    expected = reference_loss(ref, tokens, labels)
+    expected.backward()
+    loss = tt.loss_for(model)(model(tokens), labels)
+    loss.backward()
+    assert torch.allclose(loss, expected, rtol=1e-5, atol=1e-6)
+    assert_same_gradients(ref, model, tol=1e-4)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_compiled_decoder_and_loss(checkpointing):
+    """Model and loss compiled as the recipes compile them (per layer and the loss): no graph
+    break from tigon, the eager stock decoder's loss and gradients."""
+    from torchtune.modules import TransformerSelfAttentionLayer
+    from torchtune.training import set_activation_checkpointing
+
+    ref, model, _ = patched_pair()
+    if checkpointing:
+        for m in (ref, model):
+            set_activation_checkpointing(m, auto_wrap_policy={TransformerSelfAttentionLayer})
+    loss_fn = tt.loss_for(model)
+    tokens, labels = recipe_batch()
+
+    def step(tokens, labels):
+        return loss_fn(model(tokens), labels)
+
+    explained = torch._dynamo.explain(step)(tokens, labels)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch._dynamo.reset()
+    expected = reference_loss(ref, tokens, labels)
+    expected.backward()
+    loss = torch.compile(step, backend=BACKEND)(tokens, labels)
+    loss.backward()
+    assert torch.allclose(loss, expected, rtol=pick(cpu=1e-5, gpu=1e-4), atol=1e-6)
+    assert_same_gradients(ref, model, tol=pick(cpu=1e-4, gpu=2e-3))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_compiled_mlp_keeps_only_its_input_in_checkpointed_layers(checkpointing):
+    """Under torch.compile, with torchtune's activation checkpointing the FeedForward is
+    tigon::glu_mlp (keeps only x), without it tigon::glu_down; the loss is one FLCE op."""
+    from torchtune.modules import TransformerSelfAttentionLayer
+    from torchtune.training import set_activation_checkpointing
+
+    _, model, _ = patched_pair()
+    if checkpointing:
+        set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    ops = set()
+
+    def record(gm, example_inputs):
+        for sub in gm.modules():  # the graph and its subgraphs (checkpointed regions)
+            if isinstance(sub, torch.fx.GraphModule):
+                ops.update(str(n.target) for n in sub.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    loss_fn = tt.loss_for(model)
+    tokens, labels = recipe_batch()
+    torch.compile(lambda t, y: loss_fn(model(t), y), backend=record)(tokens, labels).backward()
+    expected, other = ("tigon.glu_mlp", "tigon.glu_down") if checkpointing else ("tigon.glu_down", "tigon.glu_mlp")
+    assert any(expected in op for op in ops) and not any(other in op for op in ops), sorted(ops)
+    assert any("tigon.fused_linear_cross_entropy" in op for op in ops)
+
+
+def test_unpatch_restores_logits_and_bad_calls_name_the_problem():
+    ref, model, _ = patched_pair()
+    tokens, labels = recipe_batch()
+    with pytest.raises(ValueError, match="hidden states"):
+        tt.loss_for(model)(torch.zeros(3, 64, device=DEVICE), labels)  # token counts differ
+    with pytest.raises(RuntimeError, match="already patched"):
+        tt.patch(model)
+    with pytest.raises(TypeError, match="TransformerDecoder"):
+        tt.patch(torch.nn.Linear(2, 2))
+    tt.unpatch(model)
+    with torch.no_grad():
+        assert model(tokens).shape == (2, SEQ, VOCAB)  # training mode gives logits again
+        assert torch.allclose(model(tokens), ref(tokens))
