@@ -184,3 +184,17 @@ def check_module(ours, theirs, inputs, *, dtype, tol=None, what="module"):
         return lambda *args: functional_call(module, dict(zip(names, args[n_in:])), tuple(args[:n_in]))
 
     return check_op(call(ours), call(theirs), [*inputs, *params], dtype=dtype, tol=tol, what=what)
+
+
+def recording_backend():
+    """(ops, backend): a torch.compile backend that runs the graph as traced and adds the target
+    of every function call in it and in its subgraphs (checkpointed regions) to ``ops``."""
+    ops = set()
+
+    def backend(gm, example_inputs):
+        for sub in gm.modules():
+            if isinstance(sub, torch.fx.GraphModule):
+                ops.update(str(n.target) for n in sub.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    return ops, backend

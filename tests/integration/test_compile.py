@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tigon
-from tests.helpers import DEVICE, pick
+from tests.helpers import DEVICE, pick, recording_backend
 from tests.integration.test_patching import assert_same_training, batch, tiny_model
 
 pytest.importorskip("transformers")
@@ -151,13 +151,7 @@ def test_compiled_mlp_keeps_only_its_input_in_checkpointed_layers(checkpointing)
     the region's recomputation would form gate and up again anyway), as in eager; without
     checkpointing it is tigon::glu_down (keeps gate and up, no recomputation)."""
     _, model = patched_pair("llama", checkpointing)
-    ops = set()
-
-    def record(gm, example_inputs):
-        for sub in gm.modules():  # the graph and its subgraphs (checkpointed regions)
-            if isinstance(sub, torch.fx.GraphModule):
-                ops.update(str(n.target) for n in sub.graph.nodes if n.op == "call_function")
-        return gm.forward
+    ops, record = recording_backend()
 
     ids, labels = batch(model.config.vocab_size)
     torch.compile(model, backend=record)(input_ids=ids, labels=labels).loss.backward()

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import DEVICE, pick
+from tests.helpers import DEVICE, pick, recording_backend
 
 pytest.importorskip("torchtune")
 import tigon.torchtune as tt  # noqa: E402
@@ -177,13 +177,7 @@ def test_compiled_mlp_keeps_only_its_input_in_checkpointed_layers(checkpointing)
     _, model, _ = patched_pair()
     if checkpointing:
         set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
-    ops = set()
-
-    def record(gm, example_inputs):
-        for sub in gm.modules():  # the graph and its subgraphs (checkpointed regions)
-            if isinstance(sub, torch.fx.GraphModule):
-                ops.update(str(n.target) for n in sub.graph.nodes if n.op == "call_function")
-        return gm.forward
+    ops, record = recording_backend()
 
     loss_fn = tt.loss_for(model)
     tokens, labels = recipe_batch()
