@@ -1,7 +1,8 @@
 """tigon in torchtune: ``patch(model)`` patches a built torchtune ``TransformerDecoder`` in place,
 ``loss_for(model)`` gives the loss its recipes call.
 
-Patched: every ``RMSNorm`` (tigon's kernel; fp32 throughout, as torchtune's), every rotary
+Patched: every ``RMSNorm`` and Gemma's ``GemmaRMSNorm`` (tigon's kernel; fp32 throughout, as
+torchtune's; Gemma's scales by 1 + weight), every rotary
 embedding of torchtune's own kinds (``RotaryPositionalEmbeddings`` and Llama 3.1's
 ``Llama3ScaledRoPE``, which rotate interleaved pairs, and Qwen2's, which rotates halves), every
 gated ``FeedForward`` (SiLU or GELU, with an up projection: tigon's fused MLP, which keeps only its
@@ -38,10 +39,18 @@ def _bind(fn, module):
 
 def _torchtune_modules():
     try:
-        from torchtune.modules import FeedForward, RMSNorm, TiedLinear, TransformerDecoder
+        from torchtune.modules import FeedForward, TiedLinear, TransformerDecoder
     except ImportError as exc:
         raise ImportError("tigon.torchtune needs torchtune: pip install 'tigon[torchtune]'") from exc
-    return FeedForward, RMSNorm, TiedLinear, TransformerDecoder
+    return FeedForward, TiedLinear, TransformerDecoder
+
+
+def _norm_offsets() -> dict:
+    """torchtune's RMSNorm classes tigon patches -> the offset added to their weight."""
+    from torchtune.models.gemma.rms_norm import GemmaRMSNorm
+    from torchtune.modules import RMSNorm
+
+    return {RMSNorm: 0.0, GemmaRMSNorm: 1.0}
 
 
 def _rope_kinds() -> dict:
@@ -67,10 +76,12 @@ class TorchtunePatchReport:
         return "\n".join(lines)
 
 
-def _rms_norm_forward(self, x):
-    # torchtune's RMSNorm: F.rms_norm on x in fp32 with the weight promoted to fp32, then cast
-    # to x's dtype: tigon's casting "gemma" with no offset.
-    return TF.rms_norm(x, self.scale, eps=self.eps, casting="gemma")
+def _make_rms_norm_forward(offset: float):
+    def forward(self, x):
+        # torchtune's norms compute in fp32 (x, and the weight promoted; Gemma's 1 + weight) and
+        # cast to x's dtype at the end: tigon's casting "gemma".
+        return TF.rms_norm(x, self.scale, eps=self.eps, offset=offset, casting="gemma")
+    return forward
 
 
 def _make_rope_forward(interleaved: bool):
@@ -127,7 +138,7 @@ def _make_unembed(original):
 
 def output_weight(model) -> torch.Tensor:
     """The [vocab, d] weight of the decoder's output projection (tied to the embedding or not)."""
-    _, _, TiedLinear, _ = _torchtune_modules()
+    _, TiedLinear, _ = _torchtune_modules()
     output = model.output
     if isinstance(output, TiedLinear):
         return output.tied_module.weight
@@ -142,7 +153,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, feed_forward: bool
     """Patch a built torchtune ``TransformerDecoder`` in place (see the module docstring). Patch
     before ``torch.compile`` and before wrapping for FSDP; activation checkpointing may be
     applied before or after. With ``output=True`` train with ``loss_for(model)``."""
-    FeedForward, RMSNorm, _, TransformerDecoder = _torchtune_modules()
+    FeedForward, _, TransformerDecoder = _torchtune_modules()
     if not isinstance(model, TransformerDecoder):
         raise TypeError(f"model must be a torchtune TransformerDecoder, got {type(model).__name__}")
     if getattr(model, "_tigon_patched", False):
@@ -150,12 +161,13 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, feed_forward: bool
     report = TorchtunePatchReport()
     count = dict.fromkeys(("RMSNorm", "RoPE", "FeedForward"), 0)
     rope_kinds = _rope_kinds() if rope else {}
+    norm_offsets = _norm_offsets() if rms_norm else {}
     for name, module in model.named_modules():
         if type(module) in rope_kinds:
             module.forward = _bind(_make_rope_forward(rope_kinds[type(module)]), module)
             count["RoPE"] += 1
-        elif rms_norm and isinstance(module, RMSNorm):
-            module.forward = _bind(_rms_norm_forward, module)
+        elif type(module) in norm_offsets:
+            module.forward = _bind(_make_rms_norm_forward(norm_offsets[type(module)]), module)
             count["RMSNorm"] += 1
         elif feed_forward and isinstance(module, FeedForward):
             activation = identify_activation(module.activation)
@@ -165,9 +177,14 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, feed_forward: bool
                 continue
             module.forward = _bind(_make_feed_forward_forward(activation), module)
             count["FeedForward"] += 1
-    if output:
+    if output and type(model.norm) not in _norm_offsets():
+        # Gemma 2's final norm also soft-caps the logits, which this loss does not do.
+        report.skipped.append(f"output: the final norm is {type(model.norm).__name__}, not a plain RMSNorm; the "
+                              "decoder keeps returning logits (train with the recipe's own loss)")
+    elif output:
         output_weight(model)  # the error now, not at the first loss
         model.unembed = _bind(_make_unembed(type(model).unembed.__get__(model)), model)
+        model._tigon_output = True
         report.patched["output (hidden states to the loss)"] = 1
     model.forward = _bind(_make_decoder_forward(type(model).forward.__get__(model)), model)
     report.patched.update({k: v for k, v in count.items() if v})
@@ -183,6 +200,7 @@ def unpatch(model) -> None:
             if isinstance(bound, types.MethodType) and getattr(bound.__func__, "_tigon", False):
                 delattr(module, attr)
     vars(model).pop("_tigon_patched", None)
+    vars(model).pop("_tigon_output", None)
 
 
 class FusedLinearCrossEntropyLoss(nn.Module):
@@ -217,5 +235,8 @@ class FusedLinearCrossEntropyLoss(nn.Module):
 def loss_for(model, ignore_index: int = -100, chunk_budget: int | None = None) -> FusedLinearCrossEntropyLoss:
     """The loss a decoder patched with ``output=True`` trains with (in place of the recipe's
     ``CEWithChunkedOutputLoss``)."""
+    if not getattr(model, "_tigon_output", False):
+        raise ValueError("loss_for(model) needs a decoder patched by tigon.torchtune.patch with output=True (its "
+                         "training forward then returns hidden states); see the patch report")
     output_weight(model)
     return FusedLinearCrossEntropyLoss(model, ignore_index=ignore_index, chunk_budget=chunk_budget)

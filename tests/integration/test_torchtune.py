@@ -25,12 +25,13 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-# torchtune builders by the rotary embedding they use: Llama 3 (RotaryPositionalEmbeddings) and
-# Llama 3.2 (Llama3ScaledRoPE) rotate interleaved pairs, Qwen2 rotates halves (and has q/k/v biases).
-FAMILIES = ["llama3_2", "llama3", "qwen2"]
+# torchtune builders: Llama 3 (RotaryPositionalEmbeddings) and Llama 3.2 (Llama3ScaledRoPE)
+# rotate interleaved pairs, Qwen2 rotates halves (and has q/k/v biases), Gemma has GemmaRMSNorm
+# (1 + weight), a GELU-tanh MLP and a scaled, tied embedding.
 
 
 def decoder(tie=True, dtype=torch.float32, family="llama3_2"):
+    from torchtune.models.gemma import gemma
     from torchtune.models.llama3 import llama3
     from torchtune.models.llama3_2 import llama3_2
     from torchtune.models.qwen2 import qwen2
@@ -43,6 +44,9 @@ def decoder(tie=True, dtype=torch.float32, family="llama3_2"):
             model = llama3_2(**shape, tie_word_embeddings=tie)
         elif family == "qwen2":
             model = qwen2(**shape, tie_word_embeddings=tie)
+        elif family == "gemma":
+            assert tie, "torchtune's gemma builder ties its output"
+            model = gemma(**{k: v for k, v in shape.items() if k != "num_kv_heads"}, head_dim=16, num_kv_heads=1)
         else:
             assert not tie, "torchtune's llama3 builder has an untied output"
             model = llama3(**shape)
@@ -79,7 +83,8 @@ def patched_pair(tie=True, dtype=torch.float32, family="llama3_2"):
     return ref, model, report
 
 
-@pytest.mark.parametrize("family,tie", [("llama3_2", True), ("llama3_2", False), ("llama3", False), ("qwen2", True)])
+@pytest.mark.parametrize("family,tie", [("llama3_2", True), ("llama3_2", False), ("llama3", False), ("qwen2", True),
+                                        ("gemma", True)])
 def test_patched_decoder_matches_torchtune(family, tie):
     ref, model, report = patched_pair(tie, family=family)
     assert report.patched == {"output (hidden states to the loss)": 1, "RMSNorm": 5, "RoPE": 1, "FeedForward": 2}, report  # one RoPE module, shared by the layers
@@ -196,6 +201,10 @@ def test_unpatch_restores_logits_and_bad_calls_name_the_problem():
         tt.patch(model)
     with pytest.raises(TypeError, match="TransformerDecoder"):
         tt.patch(torch.nn.Linear(2, 2))
+    kept_output = decoder()
+    assert "output" not in str(tt.patch(kept_output, output=False))
+    with pytest.raises(ValueError, match="output=True"):
+        tt.loss_for(kept_output)
     tt.unpatch(model)
     with torch.no_grad():
         assert model(tokens).shape == (2, SEQ, VOCAB)  # training mode gives logits again
