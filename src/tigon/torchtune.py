@@ -89,18 +89,17 @@ def _make_rope_forward(interleaved: bool):
         """x [b, s, n_h, h_d] rotated at positions input_pos [b, s] (or 0..s-1)."""
         if getattr(self, "is_cache_built", True) is False:
             raise RuntimeError("RoPE cache is not built. Please call rope_init() first.")
-        if interleaved:  # cache [P, h_d / 2, 2]: (cos, sin) of each pair's angle
-            cos, sin = self.cache.permute(2, 0, 1).contiguous().unbind(0)
-        else:  # Qwen2's cache [P, 2 h_d]: cos then sin, each over both halves
-            cos, sin = self.cache.chunk(2, dim=-1)
-        if input_pos is None:
-            cos, sin, input_pos = cos[: x.shape[1]], sin[: x.shape[1]], None
-        elif input_pos.ndim == 1:
-            input_pos = input_pos[None]
+        # The rows of this call's positions, as torchtune takes them ([s, ...] or [b, s, ...]): a
+        # gather of b*s rows, not a copy of the whole cache (131072 rows for Llama 3.2), and no
+        # host sync (a position table would check its range on the host).
+        rows = self.cache[: x.shape[1]] if input_pos is None else self.cache[input_pos]
+        if interleaved:  # rows [.., h_d / 2, 2]: (cos, sin) of each pair's angle
+            cos, sin = rows.movedim(-1, 0).contiguous().unbind(0)
+        else:  # Qwen2's rows [.., 2 h_d]: cos then sin, each over both halves
+            cos, sin = rows.chunk(2, dim=-1)
         # tigon's RoPE rotates q and k in one launch; torchtune calls it per tensor: no k heads.
         no_heads = x.new_empty((x.shape[0], x.shape[1], 0, x.shape[3]))
-        return TF.apply_rotary_pos_emb(x, no_heads, cos, sin, position_ids=input_pos, unsqueeze_dim=2,
-                                       interleaved=interleaved)[0]
+        return TF.apply_rotary_pos_emb(x, no_heads, cos, sin, unsqueeze_dim=2, interleaved=interleaved)[0]
     return forward
 
 
@@ -114,9 +113,11 @@ def _make_feed_forward_forward(activation: str):
 
 
 def _checkpointed_layers(model) -> bool:
-    """A training call under torch.compile of a decoder whose layers torchtune wrapped for
-    activation checkpointing (torch.compile traces them without the hooks eager calls see)."""
-    if not (torch.compiler.is_compiling() and model.training and torch.is_grad_enabled()):
+    """A training call of a decoder whose layers torchtune wrapped for activation checkpointing.
+    Read by the FeedForward only under torch.compile, which traces checkpointed regions without
+    the hooks eager calls see; set whether or not the decoder itself is compiled (the recipes
+    compile each layer)."""
+    if not (model.training and torch.is_grad_enabled()):
         return False
     return any(type(layer).__name__ == "CheckpointWrapper" for layer in model.layers)
 

@@ -172,10 +172,12 @@ def test_compiled_decoder_and_loss(checkpointing):
     assert_same_gradients(ref, model, tol=pick(cpu=1e-4, gpu=2e-3))
 
 
+@pytest.mark.parametrize("per_layer", [False, True], ids=["whole", "per_layer"])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
-def test_compiled_mlp_keeps_only_its_input_in_checkpointed_layers(checkpointing):
+def test_compiled_mlp_keeps_only_its_input_in_checkpointed_layers(checkpointing, per_layer):
     """Under torch.compile, with torchtune's activation checkpointing the FeedForward is
-    tigon::glu_mlp (keeps only x), without it tigon::glu_down; the loss is one FLCE op."""
+    tigon::glu_mlp (keeps only x), without it tigon::glu_down, whether the whole step is
+    compiled or each layer (as torchtune's recipes compile); the loss is one FLCE op."""
     from torchtune.modules import TransformerSelfAttentionLayer
     from torchtune.training import set_activation_checkpointing
 
@@ -186,7 +188,13 @@ def test_compiled_mlp_keeps_only_its_input_in_checkpointed_layers(checkpointing)
 
     loss_fn = tt.loss_for(model)
     tokens, labels = recipe_batch()
-    torch.compile(lambda t, y: loss_fn(model(t), y), backend=record)(tokens, labels).backward()
+    if per_layer:
+        for layer in model.layers:
+            layer.compile(backend=record)
+        loss_fn.compile(backend=record)
+        loss_fn(model(tokens), labels).backward()
+    else:
+        torch.compile(lambda t, y: loss_fn(model(t), y), backend=record)(tokens, labels).backward()
     expected, other = ("tigon.glu_mlp", "tigon.glu_down") if checkpointing else ("tigon.glu_down", "tigon.glu_mlp")
     assert any(expected in op for op in ops) and not any(other in op for op in ops), sorted(ops)
     assert any("tigon.fused_linear_cross_entropy" in op for op in ops)
