@@ -105,7 +105,12 @@ def _make_rope_forward(interleaved: bool):
 
 def _make_feed_forward_forward(activation: str):
     def forward(self, x):
-        checkpointed = _CHECKPOINTED_LAYERS.on if torch.compiler.is_compiling() else None
+        # Under torch.compile: the choice the decoder's forward left on this module when it ran
+        # eagerly (layers compiled one by one, as the recipes do, are re-run by checkpoint's
+        # recomputation after the decoder's forward has returned), else its flag (the decoder
+        # compiled whole: checkpointed regions are traced, not re-run).
+        checkpointed = getattr(self, "_tigon_checkpointed", _CHECKPOINTED_LAYERS.on) \
+            if torch.compiler.is_compiling() else None
         # The layer adds the MLP's output to the residual and saves nothing after it: the
         # MLP may keep only its input in a checkpointed layer.
         return gated_mlp(x, self.w1, self.w3, self.w2, activation, keep_input_only=True, checkpointed=checkpointed)
@@ -113,18 +118,21 @@ def _make_feed_forward_forward(activation: str):
 
 
 def _checkpointed_layers(model) -> bool:
-    """A training call of a decoder whose layers torchtune wrapped for activation checkpointing.
-    Read by the FeedForward only under torch.compile, which traces checkpointed regions without
-    the hooks eager calls see; set whether or not the decoder itself is compiled (the recipes
-    compile each layer)."""
-    if not (model.training and torch.is_grad_enabled()):
-        return False
+    """The decoder's layers are wrapped for activation checkpointing (torchtune's
+    set_activation_checkpointing). Read by the FeedForward only under torch.compile, which
+    traces checkpointed regions without the hooks eager calls see (whether a checkpointed MLP
+    keeps only its input also needs gradients on: tigon.ops.glu_mlp.gated_mlp)."""
     return any(type(layer).__name__ == "CheckpointWrapper" for layer in model.layers)
 
 
 def _make_decoder_forward(original):
     def forward(self, *args, **kwargs):
-        with thread_flag(_CHECKPOINTED_LAYERS, _checkpointed_layers(self)):
+        checkpointed = _checkpointed_layers(self)
+        if not torch.compiler.is_compiling():
+            for module in self._tigon_feed_forwards:
+                if getattr(module, "_tigon_checkpointed", None) is not checkpointed:
+                    module._tigon_checkpointed = checkpointed
+        with thread_flag(_CHECKPOINTED_LAYERS, checkpointed):
             return original(*args, **kwargs)
     return forward
 
@@ -161,6 +169,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, feed_forward: bool
         raise RuntimeError("this model is already patched by tigon.torchtune (unpatch it first)")
     report = TorchtunePatchReport()
     count = dict.fromkeys(("RMSNorm", "RoPE", "FeedForward"), 0)
+    feed_forwards = []
     rope_kinds = _rope_kinds() if rope else {}
     norm_offsets = _norm_offsets() if rms_norm else {}
     for name, module in model.named_modules():
@@ -177,6 +186,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, feed_forward: bool
                 report.skipped.append(f"{name}: FeedForward with {why}")
                 continue
             module.forward = _bind(_make_feed_forward_forward(activation), module)
+            feed_forwards.append(module)
             count["FeedForward"] += 1
     if output and type(model.norm) not in _norm_offsets():
         # Gemma 2's final norm also soft-caps the logits, which this loss does not do.
@@ -187,6 +197,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, feed_forward: bool
         model.unembed = _bind(_make_unembed(type(model).unembed.__get__(model)), model)
         model._tigon_output = True
         report.patched["output (hidden states to the loss)"] = 1
+    model._tigon_feed_forwards = feed_forwards
     model.forward = _bind(_make_decoder_forward(type(model).forward.__get__(model)), model)
     report.patched.update({k: v for k, v in count.items() if v})
     model._tigon_patched = True
@@ -200,6 +211,8 @@ def unpatch(model) -> None:
             bound = vars(module).get(attr)
             if isinstance(bound, types.MethodType) and getattr(bound.__func__, "_tigon", False):
                 delattr(module, attr)
+    for module in vars(model).pop("_tigon_feed_forwards", ()):
+        vars(module).pop("_tigon_checkpointed", None)
     vars(model).pop("_tigon_patched", None)
     vars(model).pop("_tigon_output", None)
 

@@ -217,3 +217,85 @@ def test_unpatch_restores_logits_and_bad_calls_name_the_problem():
     with torch.no_grad():
         assert model(tokens).shape == (2, SEQ, VOCAB)  # training mode gives logits again
         assert torch.allclose(model(tokens), ref(tokens))
+
+
+# ---- the recipe (tigon.torchtune_recipe) ----
+
+class TinyTokenizer:
+    """Enough of a torchtune tokenizer for the recipe on pre-tokenized data."""
+
+    pad_id, eos_id, bos_id, max_seq_len = 0, 1, 2, SEQ
+
+
+def random_token_dataset(tokenizer, n=8):
+    """Pre-tokenized samples {"tokens", "labels"} of SEQ tokens, a few labels ignored."""
+    g = torch.Generator().manual_seed(2)
+    samples = []
+    for i in range(n):
+        tokens = torch.randint(3, VOCAB, (SEQ,), generator=g).tolist()
+        labels = list(tokens)
+        labels[: i % 4] = [-100] * (i % 4)
+        samples.append({"tokens": tokens, "labels": labels})
+    return samples
+
+
+def recipe_config(tmp_path, compile_model):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create(dict(
+        output_dir=str(tmp_path), device="cpu" if DEVICE == "cpu" else "cuda", dtype="fp32", seed=0, shuffle=False,
+        batch_size=2, epochs=1, max_steps_per_epoch=3, gradient_accumulation_steps=1, optimizer_in_bwd=False,
+        resume_from_checkpoint=False, compile=compile_model, log_every_n_steps=1,
+        enable_activation_checkpointing=True, enable_activation_offloading=False,
+        model=dict(_component_="torchtune.models.llama3_2.llama3_2", vocab_size=VOCAB, num_layers=2, num_heads=4,
+                   num_kv_heads=2, embed_dim=64, max_seq_len=64, intermediate_dim=96),
+        tokenizer=dict(_component_="tests.integration.test_torchtune.TinyTokenizer"),
+        dataset=dict(_component_="tests.integration.test_torchtune.random_token_dataset"),
+        loss=dict(_component_="torchtune.modules.loss.CEWithChunkedOutputLoss"),
+        optimizer=dict(_component_="torch.optim.AdamW", lr=1e-3),
+        metric_logger=dict(_component_="torchtune.training.metric_logging.DiskLogger", log_dir=str(tmp_path)),
+        profiler=dict(_component_="torchtune.training.setup_torch_profiler", enabled=False),
+        checkpointer=dict(model_type="LLAMA3"),
+    ))
+
+
+def run_recipe(recipe_class, cfg, state):
+    """Train with the recipe from ``state`` (no checkpoint files: loading and saving are
+    replaced), returning the loss of every step."""
+    losses = []
+
+    class Recorded(recipe_class):
+        def load_checkpoint(self, cfg_checkpointer):
+            return {"model": state}
+
+        def save_checkpoint(self, epoch):
+            pass
+
+        def _loss_step(self, batch):
+            loss = super()._loss_step(batch)
+            losses.append(loss.item())
+            return loss
+
+    recipe = Recorded(cfg=cfg)
+    recipe.setup(cfg=cfg)
+    recipe.train()
+    recipe.cleanup()
+    return losses, recipe
+
+
+@pytest.mark.parametrize("compile_model", [False, True], ids=["eager", "compiled"])
+def test_recipe_trains_like_torchtunes(tmp_path, compile_model, monkeypatch):
+    """torchtune's full fine-tuning recipe with its chunked CE loss and activation
+    checkpointing, and tigon's recipe on the same config: the same losses step by step."""
+    from tigon.torchtune_recipe import FullFinetuneRecipeSingleDevice, TigonFullFinetuneRecipeSingleDevice
+
+    monkeypatch.setenv("TORCH_COMPILE_BACKEND", BACKEND)  # what torchtune's compile_model reads
+    state = {k: v.clone() for k, v in decoder(tie=True).state_dict().items()}
+    expected, _ = run_recipe(FullFinetuneRecipeSingleDevice, recipe_config(tmp_path / "stock", compile_model), state)
+    torch._dynamo.reset()
+    losses, recipe = run_recipe(TigonFullFinetuneRecipeSingleDevice, recipe_config(tmp_path / "tigon", compile_model),
+                                state)
+    assert recipe.tigon_report.patched["FeedForward"] == 2
+    assert len(losses) == len(expected) == 3
+    for got, want in zip(losses, expected):
+        assert abs(got - want) <= 1e-4 * abs(want), (losses, expected)
