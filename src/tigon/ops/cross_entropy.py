@@ -42,8 +42,10 @@ from tigon.ops._common import (
     cdiv,
     check_same_device,
     check_tensor,
+    fake_grad,
     new_output,
     next_pow2,
+    or_empty,
     thread_flag,
     traced,
 )
@@ -576,14 +578,14 @@ def cross_entropy_op(logits: Tensor, target: Tensor, ignore_index: int, reductio
     logits2 = logits if logits.stride(-1) == 1 else logits.contiguous()
     grad = new_output(logits2.shape, logits2.dtype, logits2.device) if compute_grad else None
     outputs = _cross_entropy(logits2, target, opts, grad)
-    return (*outputs, grad if grad is not None else logits.new_empty(0))
+    return (*outputs, or_empty(grad, logits))
 
 
 @cross_entropy_op.register_fake
 def _(logits, target, *args):
     opts, compute_grad = CrossEntropyOptions(*args[:N_OPTIONS]), args[N_OPTIONS]
     _check_cross_entropy_args(logits, target, opts)
-    grad = logits.new_empty(logits.shape) if compute_grad else logits.new_empty(0)
+    grad = fake_grad(logits, compute_grad, logits)
     return (*fake_op_loss_outputs(logits.shape[0], opts, logits), grad)
 
 

@@ -35,7 +35,9 @@ from tigon.ops._common import (
     check_same_device,
     check_tensor,
     chunk_budget_bytes,
+    fake_grad,
     new_output,
+    or_empty,
 )
 from tigon.ops.cross_entropy import (
     N_OPTIONS,
@@ -178,12 +180,12 @@ def _kernel_inputs(x, weight, target, opts, chunk_budget):
 def _gradient_outputs(x, weight, dx, dw, db):
     """(dx [x.shape], dw [V, H], db fp32 [V]) as the ops return them: empty where not computed."""
     return (dx.view(x.shape) if dx is not None else x.new_empty(0),
-            dw if dw is not None else weight.new_empty(0),
+            or_empty(dw, weight),
             db if db is not None else x.new_empty(0, dtype=torch.float32))
 
 
 def _fake_gradient_outputs(x, weight, accum_dtype, need_dx, need_dw, need_db):
-    return (x.new_empty(x.shape) if need_dx else x.new_empty(0),
+    return (fake_grad(x, need_dx, x),
             weight.new_empty(weight.shape, dtype=accum_dtype or weight.dtype) if need_dw else weight.new_empty(0),
             x.new_empty(weight.shape[0], dtype=torch.float32) if need_db else x.new_empty(0, dtype=torch.float32))
 

@@ -47,6 +47,7 @@ from tigon.ops._common import (
     fake_grad,
     matmul_dtype,
     new_output,
+    or_empty,
 )
 from tigon.ops._internals import checkpoint_recompute_stops_after, under_checkpoint
 from tigon.ops.glu import check_activation, check_glu_args, glu_backward, glu_forward, glu_op
@@ -240,7 +241,7 @@ def glu_down_backward_op(dout: Tensor, a: Tensor, b: Tensor, down_weight: Tensor
     with torch.autocast(a.device.type, enabled=False):
         grads = glu_down_backward(dout, a, b, down_weight, down_bias, activation, (gate_multiplier, down_multiplier),
                                   matmul_dtype, slice_columns, need_ab, need_weight, need_bias)
-    return tuple(g if g is not None else a.new_empty(0) for g in grads)
+    return tuple(or_empty(g, a) for g in grads)
 
 
 @glu_down_backward_op.register_fake
@@ -261,7 +262,7 @@ def glu_down_backward_inplace_op(dout: Tensor, a: Tensor, b: Tensor, down_weight
         _, _, d_weight, d_bias = glu_down_backward(dout, a, b, down_weight, down_bias, activation,
                                                    (gate_multiplier, down_multiplier), matmul_dtype, slice_columns,
                                                    True, need_weight, need_bias, inplace=True)
-    return tuple(g if g is not None else a.new_empty(0) for g in (d_weight, d_bias))
+    return or_empty(d_weight, a), or_empty(d_bias, a)
 
 
 @glu_down_backward_inplace_op.register_fake
@@ -434,7 +435,7 @@ def glu_mlp_backward_op(dout: Tensor, x: Tensor, gate_weight: Tensor, up_weight:
         grads = glu_mlp_backward(dout, x, gate_weight, up_weight, down_weight, activation,
                                  (gate_multiplier, down_multiplier), matmul_dtype, slice_columns, need_x,
                                  need_gate_weight, need_up_weight, need_down_weight)
-    return tuple(g if g is not None else x.new_empty(0) for g in grads)
+    return tuple(or_empty(g, x) for g in grads)
 
 
 @glu_mlp_backward_op.register_fake

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from tigon.ops._common import as_rows, check_same_device, check_tensor, new_output, next_pow2, traced
+from tigon.ops._common import as_rows, check_same_device, check_tensor, fake_grad, new_output, next_pow2, or_empty, traced
 from tigon.ops._internals import graph_retained, launch
 from tigon.ops.cross_entropy import scale_rows
 from tigon.ops.linear_token_logps import (
@@ -352,14 +352,14 @@ def jsd_op(student: Tensor, teacher: Tensor, target: Optional[Tensor], beta: flo
     grad = new_output(student.shape, student.dtype, student.device) if compute_grad else None
     loss = jsd_logprobs_rows(student2, teacher2, labels, scale, None if grad is None else _rows_view(grad), beta,
                              ignore_index).sum()
-    return loss, grad if grad is not None else student.new_empty(0)
+    return loss, or_empty(grad, student)
 
 
 @jsd_op.register_fake
 def _(student, teacher, target, beta, ignore_index, compute_grad):
     check_jsd_args(student, teacher, target)
     return (student.new_empty((), dtype=torch.float32),
-            student.new_empty(student.shape) if compute_grad else student.new_empty(0))
+            fake_grad(student, compute_grad, student))
 
 
 @torch.library.custom_op("tigon::jsd_backward", mutates_args=())

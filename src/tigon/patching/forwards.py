@@ -255,19 +255,23 @@ _HEAD_CAPTURE = _HeadCapture()
 CAPTURING_HEAD = "output head (hands its input to the causal-LM loss)"
 
 
+def _captured(into: dict, hidden):
+    """The head's input put in ``into``, and the empty [..., 0] tensor the head returns in its
+    place (softcap / scaling on it cost nothing)."""
+    into["hidden"] = hidden
+    return hidden.new_empty(*hidden.shape[:-1], 0)
+
+
 def make_capturing_head_forward(forward):
     """The output head's forward of an instance-patched model: inside the patched causal-LM
-    forward's FLCE call it puts its input (the last hidden state) into the caller's dict and
-    returns an empty [..., 0] tensor (softcap / scaling on it cost nothing); elsewhere
+    forward's FLCE call it hands its input (the last hidden state) to the caller (``_captured``);
+    elsewhere
     ``forward``. Set once at patch time, so that the forward changes nothing on modules while
     it runs (what torch.compile traces; class patches, whose heads are not known in advance,
     swap the head's forward for the call instead)."""
     def head_forward(self, hidden):
         into = _HEAD_CAPTURE.into
-        if into is not None:
-            into["hidden"] = hidden
-            return hidden.new_empty(*hidden.shape[:-1], 0)
-        return forward(self, hidden)
+        return forward(self, hidden) if into is None else _captured(into, hidden)
 
     head_forward._tigon = CAPTURING_HEAD
     return head_forward
@@ -285,11 +289,7 @@ def _capturing_head(head: nn.Module, captured: dict):
             _HEAD_CAPTURE.into = before
         return
 
-    def capture(hidden):
-        captured["hidden"] = hidden
-        return hidden.new_empty(*hidden.shape[:-1], 0)
-
-    with _instance_forward(head, capture):
+    with _instance_forward(head, functools.partial(_captured, captured)):
         yield
 
 
