@@ -103,17 +103,25 @@ def _make_rope_forward(interleaved: bool):
     return forward
 
 
-def _make_feed_forward_forward(activation: str):
+def _make_feed_forward_forward(activation: str, ends_layer: bool):
     def forward(self, x):
         # Under torch.compile: the choice the decoder's forward left on this module when it ran
         # eagerly (layers compiled one by one, as the recipes do, are re-run by checkpoint's
         # recomputation after the decoder's forward has returned), else its flag (the decoder
         # compiled whole: checkpointed regions are traced, not re-run).
-        checkpointed = getattr(self, "_tigon_checkpointed", _CHECKPOINTED_LAYERS.on) \
-            if torch.compiler.is_compiling() else None
+        checkpointed = None
+        if torch.compiler.is_compiling():  # the flag read only without the attribute: no guard on it
+            checkpointed = getattr(self, "_tigon_checkpointed", None)
+            if checkpointed is None:
+                checkpointed = _CHECKPOINTED_LAYERS.on
         # The layer adds the MLP's output to the residual and saves nothing after it: the
-        # MLP may keep only its input in a checkpointed layer.
-        return gated_mlp(x, self.w1, self.w3, self.w2, activation, keep_input_only=True, checkpointed=checkpointed)
+        # MLP may keep only its input in a checkpointed layer. When its output goes straight into
+        # the residual (no post-MLP norm, as Gemma 2's, which saves it) and torchtune
+        # checkpoints layer by layer, it may also skip its matmuls when checkpoint recomputes a
+        # layer compiled on its own (the recipes' compile).
+        last = ends_layer and bool(checkpointed) and torch.compiler.is_compiling()
+        return gated_mlp(x, self.w1, self.w3, self.w2, activation, keep_input_only=True, checkpointed=checkpointed,
+                         last_in_checkpoint=last)
     return forward
 
 
@@ -172,6 +180,8 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, feed_forward: bool
     feed_forwards = []
     rope_kinds = _rope_kinds() if rope else {}
     norm_offsets = _norm_offsets() if rms_norm else {}
+    # FeedForwards whose output a layer adds to its residual as it is (torchtune's mlp_scale).
+    ends_layer = {id(m.mlp) for m in model.modules() if isinstance(getattr(m, "mlp_scale", None), nn.Identity)}
     for name, module in model.named_modules():
         if type(module) in rope_kinds:
             module.forward = _bind(_make_rope_forward(rope_kinds[type(module)]), module)
@@ -185,7 +195,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, feed_forward: bool
                 why = "no up projection (w3)" if module.w3 is None else f"activation {module.activation!r}"
                 report.skipped.append(f"{name}: FeedForward with {why}")
                 continue
-            module.forward = _bind(_make_feed_forward_forward(activation), module)
+            module.forward = _bind(_make_feed_forward_forward(activation, id(module) in ends_layer), module)
             feed_forwards.append(module)
             count["FeedForward"] += 1
     if output and type(model.norm) not in _norm_offsets():

@@ -200,6 +200,41 @@ def test_compiled_mlp_keeps_only_its_input_in_checkpointed_layers(checkpointing,
     assert any("tigon.fused_linear_cross_entropy" in op for op in ops)
 
 
+@pytest.mark.parametrize("post_norm", [False, True], ids=["residual", "post_mlp_norm"])
+def test_recompiled_layers_skip_the_mlp_in_checkpoints_recomputation(post_norm, monkeypatch):
+    """Layers checkpointed and compiled one by one (the recipes' compile): checkpoint recomputes
+    a layer's whole compiled forward, whose MLP output only the discarded layer output reads, so
+    the MLP skips its matmuls there (its forward runs once a layer per step). A post-MLP norm
+    (Gemma 2's mlp_scale) saves that output: then it is computed. Loss and gradients are the
+    stock decoder's either way."""
+    import tigon.ops.glu_mlp as glu_mlp_module
+    from torchtune import training
+    from torchtune.modules import RMSNorm, TransformerSelfAttentionLayer
+
+    ref = decoder()
+    if post_norm:
+        for layer in ref.layers:
+            layer.mlp_scale = RMSNorm(64).to(DEVICE)
+            torch.nn.init.uniform_(layer.mlp_scale.scale, 0.5, 1.5)
+    model = copy.deepcopy(ref)
+    tt.patch(model)
+    monkeypatch.setenv("TORCH_COMPILE_BACKEND", BACKEND)  # what torchtune's compile_model reads
+    for m in (ref, model):
+        training.set_activation_checkpointing(m, auto_wrap_policy={TransformerSelfAttentionLayer})
+    training.compile_model(model, verbose=False)
+    forwards = []
+    original_forward = glu_mlp_module.glu_mlp_forward
+    monkeypatch.setattr(glu_mlp_module, "glu_mlp_forward", lambda *a, **k: forwards.append(1) or original_forward(*a, **k))
+    tokens, labels = recipe_batch()
+    expected = reference_loss(ref, tokens, labels)
+    expected.backward()
+    loss = tt.loss_for(model)(model(tokens), labels)
+    loss.backward()
+    assert len(forwards) == len(model.layers) * (2 if post_norm else 1)
+    assert torch.allclose(loss, expected, rtol=pick(cpu=1e-5, gpu=1e-4), atol=1e-6)
+    assert_same_gradients(ref, model, tol=pick(cpu=1e-4, gpu=2e-3))
+
+
 def test_unpatch_restores_logits_and_bad_calls_name_the_problem():
     ref, model, _ = patched_pair()
     tokens, labels = recipe_batch()
@@ -299,3 +334,36 @@ def test_recipe_trains_like_torchtunes(tmp_path, compile_model, monkeypatch):
     assert len(losses) == len(expected) == 3
     for got, want in zip(losses, expected):
         assert abs(got - want) <= 1e-4 * abs(want), (losses, expected)
+
+
+def test_example_config_has_every_key_of_the_stock_config():
+    """examples/torchtune/llama3_2_1B_full_tigon.yaml is a full config of the recipe (every key
+    of torchtune's own llama3_2/1B_full_single_device, with the study's settings), and each
+    component it names imports."""
+    import importlib
+    import os
+
+    from omegaconf import OmegaConf
+
+    from tigon.torchtune_recipe import torchtune_recipe_module
+
+    recipes = os.path.dirname(torchtune_recipe_module().__file__)
+    stock = OmegaConf.load(os.path.join(recipes, "configs", "llama3_2", "1B_full_single_device.yaml"))
+    example = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "..", "examples", "torchtune",
+                                          "llama3_2_1B_full_tigon.yaml"))
+
+    def keys(cfg, prefix=""):
+        out = set()
+        for k, v in cfg.items():
+            out.add(prefix + k)
+            if OmegaConf.is_dict(v):
+                out |= keys(v, prefix + k + ".")
+        return out
+
+    assert keys(stock) - keys(example) == set()
+    assert example.compile and example.enable_activation_checkpointing and example.dataset.packed
+    assert example.tokenizer.max_seq_len == 512 and example.optimizer.fused
+    for key in keys(example):
+        if key.endswith("_component_"):
+            module, _, name = OmegaConf.select(example, key).rpartition(".")
+            assert hasattr(importlib.import_module(module), name), key

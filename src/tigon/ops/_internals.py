@@ -8,10 +8,11 @@ when ``TIGON_PRIVATE_APIS=0`` is set (before tigon is imported):
   checkpointed Llama-1B step launches ~300 kernels). Off: every launch goes through Triton's
   ``kernel[grid](...)``. Also off with ``TIGON_FAST_LAUNCH=0``, under the interpreter and while
   Triton launch hooks (profilers) are set.
-- ``under_checkpoint`` / ``checkpoint_recompute_stops_after``: read torch.utils.checkpoint's
-  saved-tensor hooks, so the gated MLP keeps only its input under checkpointing and skips its
-  matmuls in the recomputation (Llama-1B: half of HF's peak memory). Off: never under
-  checkpoint (the MLP keeps gate and up, as outside checkpointing).
+- ``under_checkpoint`` / ``checkpoint_recompute_stops_after`` / ``in_checkpoint_recomputation``:
+  read torch.utils.checkpoint's saved-tensor hooks, so the gated MLP keeps only its input under
+  checkpointing and skips its matmuls in the recomputation (Llama-1B: half of HF's peak memory;
+  torchtune's per-layer compile: 3 of the MLP's 14 matmuls). Off: never under checkpoint (the
+  MLP keeps gate and up, as outside checkpointing), never skipped.
 - ``graph_retained``: asks autograd whether the running backward keeps the graph, so a
   gradient formed in the forward pass is scaled in place (no copy) when it is not. Off: always
   "retained" (a fresh scaled copy every backward: exact, one more [N, V] or [V, H] buffer).
@@ -194,6 +195,16 @@ def checkpoint_recompute_stops_after(n_saved: int) -> bool:
         cells = dict(zip(pack.__code__.co_freevars, (c.cell_contents for c in pack.__closure__)))
         frame, gid = cells["target_frame_ref"](), cells["gid"]
         return bool(frame.early_stop) and len(frame.weak_holders) - frame.recomp_counter[gid] == n_saved
+    except Exception:
+        return False
+
+
+def in_checkpoint_recomputation() -> bool:
+    """True while a non-reentrant torch.utils.checkpoint recomputes its region (in the backward);
+    False elsewhere, and when checkpoint's internals moved."""
+    try:
+        pack = _checkpoint_pack_hook()
+        return pack is not None and "_recomputation_hook" in pack.__qualname__
     except Exception:
         return False
 

@@ -21,9 +21,12 @@ activations (``tigon.ops.glu``); the multipliers g, d are 1 except in Falcon-H1.
   [tokens, slice] buffers and an fp32 dx instead of two [tokens, I] activations. In
   checkpoint's recomputation, when saving x is the last thing the recompute needs (checkpoint's
   early stop: the MLP is the last op of a Llama-style layer that saves anything), the forward
-  skips its three matmuls: its output is never read (eager only: torch.compile handles
-  checkpointing itself, and ``gated_mlp`` then takes ``glu_down``). Per layer that is the FLOPs
-  of 11 matmuls (3 forward, 8 backward) where an MLP that keeps gate and up does 12. The
+  skips its three matmuls: its output is never read. Per layer that is the FLOPs of 11 matmuls
+  (3 forward, 8 backward) where an MLP that keeps gate and up does 12. A layer compiled on its
+  own inside an eager checkpoint (torchtune's recipes: ``last_in_checkpoint``) is recomputed
+  whole, without that early stop: there the op finds the recomputation at run time and skips the
+  matmuls too (else 14). A checkpoint that torch.compile traces recomputes only what the
+  backward reads: x, not the MLP. The
   forward runs in wider slices than the backward (it is not at the memory peak), so the
   recomputed gate and up may differ from the forward's in the last bit, as with any
   recomputation.
@@ -42,6 +45,7 @@ from torch import Tensor, nn
 from tigon.ops._common import (
     accumulate_mm,
     as_rows,
+    capturing,
     check_same_device,
     check_tensor,
     fake_grad,
@@ -49,7 +53,7 @@ from tigon.ops._common import (
     new_output,
     or_empty,
 )
-from tigon.ops._internals import checkpoint_recompute_stops_after, under_checkpoint
+from tigon.ops._internals import checkpoint_recompute_stops_after, in_checkpoint_recomputation, under_checkpoint
 from tigon.ops.glu import check_activation, check_glu_args, glu_backward, glu_forward, glu_op
 
 # ---- slice policy ----
@@ -406,12 +410,14 @@ def glu_mlp_backward(dout, x, gate_weight, up_weight, down_weight, activation, m
 @torch.library.custom_op("tigon::glu_mlp", mutates_args=())
 def glu_mlp_op(x: Tensor, gate_weight: Tensor, up_weight: Tensor, down_weight: Tensor, activation: str,
                gate_multiplier: float, down_multiplier: float, matmul_dtype: torch.dtype, slice_columns: int,
-               compute_output: bool) -> Tensor:
+               compute_output: bool, last_in_checkpoint: bool) -> Tensor:
     """(act(x Wg^T g) * (x Wu^T) d) Wd^T, contiguous [..., H] in ``matmul_dtype``; saves only x.
     ``compute_output=False`` returns an uninitialised output (checkpoint's recomputation that
-    stops once x is saved: see glu_mlp_input_only)."""
+    stops once x is saved: see glu_mlp_input_only); so does ``last_in_checkpoint`` while an
+    eager checkpoint recomputes its region (found at run time; never while a CUDA graph is
+    captured, whose replays could be of the first forward)."""
     check_glu_mlp_args(x, gate_weight, up_weight, down_weight, activation)
-    if not compute_output:
+    if not compute_output or (last_in_checkpoint and not capturing() and in_checkpoint_recomputation()):
         return x.new_empty((*x.shape[:-1], down_weight.shape[0]), dtype=matmul_dtype)
     with torch.autocast(x.device.type, enabled=False):
         return glu_mlp_forward(x, gate_weight, up_weight, down_weight, activation, (gate_multiplier, down_multiplier),
@@ -420,7 +426,7 @@ def glu_mlp_op(x: Tensor, gate_weight: Tensor, up_weight: Tensor, down_weight: T
 
 @glu_mlp_op.register_fake
 def _(x, gate_weight, up_weight, down_weight, activation, gate_multiplier, down_multiplier, matmul_dtype,
-      slice_columns, compute_output):
+      slice_columns, compute_output, last_in_checkpoint):
     check_glu_mlp_args(x, gate_weight, up_weight, down_weight, activation)
     return x.new_empty((*x.shape[:-1], down_weight.shape[0]), dtype=matmul_dtype)
 
@@ -446,7 +452,7 @@ def _(dout, x, gate_weight, up_weight, down_weight, activation, gate_multiplier,
 
 
 def _glu_mlp_setup_context(ctx, inputs, output):
-    x, gate_weight, up_weight, down_weight, activation, gate_multiplier, down_multiplier, mm, slice_columns, _ = inputs
+    x, gate_weight, up_weight, down_weight, activation, gate_multiplier, down_multiplier, mm, slice_columns, *_ = inputs
     ctx.save_for_backward(x)
     ctx.weights = (gate_weight, up_weight, down_weight)  # kept, not saved (see the note in tigon.ops._common)
     ctx.options = (activation, gate_multiplier, down_multiplier, mm, slice_columns)
@@ -456,25 +462,27 @@ def _glu_mlp_backward(ctx, dout):
     (x,) = ctx.saved_tensors
     needs = ctx.needs_input_grad[:4]
     grads = glu_mlp_backward_op(dout, x, *ctx.weights, *ctx.options, *needs)
-    return (*(g if need else None for g, need in zip(grads, needs)), None, None, None, None, None, None)
+    return (*(g if need else None for g, need in zip(grads, needs)), None, None, None, None, None, None, None)
 
 
 glu_mlp_op.register_autograd(_glu_mlp_backward, setup_context=_glu_mlp_setup_context)
 
 
 def glu_mlp_input_only(x, gate_weight, up_weight, down_weight, activation="silu", *, gate_multiplier=1.0,
-                       down_multiplier=1.0, slice_columns=None):
+                       down_multiplier=1.0, slice_columns=None, last_in_checkpoint=False):
     """glu_mlp_op with its non-tensor arguments checked and the matmul dtype picked (see
     tigon.functional.glu_mlp). In checkpoint's recomputation, when saving x is the last thing the
-    recomputation needs, the op skips its matmuls (eager only: reads checkpoint's private state;
-    under torch.compile, torch handles checkpointing)."""
+    recomputation needs, the op skips its matmuls (reads checkpoint's private state). Under
+    torch.compile, which traces past that check, ``last_in_checkpoint`` (the caller's promise:
+    nothing after this MLP in its checkpointed region is saved or returned, only the region's
+    output depends on it) lets the op find the recomputation when it runs."""
     check_activation(activation, gate_multiplier=gate_multiplier, down_multiplier=down_multiplier)
     check_slice_columns(slice_columns)
     mm = matmul_dtype(x, gate_weight=gate_weight, up_weight=up_weight, down_weight=down_weight)
     saves_x = torch.is_grad_enabled() and any(t.requires_grad for t in (x, gate_weight, up_weight, down_weight))
     compute_output = torch.compiler.is_compiling() or not (saves_x and checkpoint_recompute_stops_after(1))
     return glu_mlp_op(x, gate_weight, up_weight, down_weight, activation, float(gate_multiplier),
-                      float(down_multiplier), mm, slice_columns or 0, compute_output)
+                      float(down_multiplier), mm, slice_columns or 0, compute_output, bool(last_in_checkpoint))
 
 
 # ---- which path ----
@@ -497,18 +505,20 @@ def glu_down(gate, up, down_proj, activation, gate_multiplier=1.0, down_multipli
 
 
 def gated_mlp(x, gate_proj, up_proj, down_proj, activation, *, keep_input_only=True, gate_multiplier=1.0,
-              down_multiplier=1.0, checkpointed=None):
+              down_multiplier=1.0, checkpointed=None, last_in_checkpoint=False):
     """down_proj(act(gate_proj(x) g) * up_proj(x)) * d for an MLP's three layers, by the path
     that saves the most: inside a checkpointed region, with gradients on, plain bias-free
     nn.Linear layers and ``keep_input_only`` (the caller's layer saves nothing after the MLP),
     glu_mlp_input_only, which keeps only x (the region's recomputation would form gate and up
     again anyway); otherwise ``glu_down``. ``checkpointed``: whether the call is inside one, or
     None to find out (eager: torch.utils.checkpoint's hooks; under torch.compile, which traces
-    checkpointed regions without them, None counts as not checkpointed)."""
+    checkpointed regions without them, None counts as not checkpointed). ``last_in_checkpoint``:
+    see glu_mlp_input_only."""
     if checkpointed is None:
         checkpointed = not torch.compiler.is_compiling() and under_checkpoint()
     if (keep_input_only and checkpointed and torch.is_grad_enabled() and _plain_linear(gate_proj)
             and _plain_linear(up_proj) and _plain_linear(down_proj)):
         return glu_mlp_input_only(x, gate_proj.weight, up_proj.weight, down_proj.weight, activation,
-                                  gate_multiplier=gate_multiplier, down_multiplier=down_multiplier)
+                                  gate_multiplier=gate_multiplier, down_multiplier=down_multiplier,
+                                  last_in_checkpoint=last_in_checkpoint)
     return glu_down(gate_proj(x), up_proj(x), down_proj, activation, gate_multiplier, down_multiplier)
