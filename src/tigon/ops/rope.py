@@ -34,22 +34,22 @@ from tigon.ops._internals import launch
 
 
 @triton.jit
-def rope_pair_offsets(d, half_rot, INTERLEAVED: tl.constexpr):
-    """Offsets in a head of the two elements rotated together: halves, or adjacent pairs."""
-    if INTERLEAVED:
-        return 2 * d, 2 * d + 1
-    return d, half_rot + d
-
-
-@triton.jit
 def rope_load_heads(X, sxb, sxh, sxt, b, t, n_heads, half_rot, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                     INTERLEAVED: tl.constexpr):
     """The two rotated parts [BLOCK_H, BLOCK_D] (fp32) of every head of token (b, t)."""
     h = tl.arange(0, BLOCK_H)
+    base = X + b * sxb + t * sxt + h[:, None] * sxh
+    if INTERLEAVED:
+        # One contiguous load of the pairs, split in registers: loads and stores at stride 2
+        # ran at a tenth of copy bandwidth on an H100 (123 ms against 12.4 ms a step of
+        # torchtune's Llama-3.2-1B at batch 128 x 512).
+        e = tl.arange(0, 2 * BLOCK_D)
+        x = tl.load(base + e[None, :], mask=(h[:, None] < n_heads) & (e[None, :] < 2 * half_rot), other=0.0)
+        x1, x2 = tl.split(tl.reshape(x.to(tl.float32), [BLOCK_H, BLOCK_D, 2]))
+        return x1, x2
     d = tl.arange(0, BLOCK_D)
     mask = (h[:, None] < n_heads) & (d[None, :] < half_rot)
-    base = X + b * sxb + t * sxt + h[:, None] * sxh
-    first, second = rope_pair_offsets(d, half_rot, INTERLEAVED)
+    first, second = d, half_rot + d  # halves
     x1 = tl.load(base + first[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + second[None, :], mask=mask, other=0.0).to(tl.float32)
     return x1, x2
@@ -67,9 +67,15 @@ def rope_store_heads(
     y_base = Y + b * syb + t * syt + h[:, None] * syh
     y1 = x1 * c1[None, :] - x2 * s1[None, :]
     y2 = x2 * c2[None, :] + x1 * s2[None, :]
-    first, second = rope_pair_offsets(d, half_rot, INTERLEAVED)
-    tl.store(y_base + first[None, :], y1.to(Y.dtype.element_ty), mask=mask)
-    tl.store(y_base + second[None, :], y2.to(Y.dtype.element_ty), mask=mask)
+    if INTERLEAVED:  # pairs joined back in registers, one contiguous store (see rope_load_heads)
+        e = tl.arange(0, 2 * BLOCK_D)
+        y = tl.reshape(tl.join(y1, y2), [BLOCK_H, 2 * BLOCK_D])
+        tl.store(y_base + e[None, :], y.to(Y.dtype.element_ty),
+                 mask=(h[:, None] < n_heads) & (e[None, :] < 2 * half_rot))
+    else:
+        first, second = d, half_rot + d  # halves
+        tl.store(y_base + first[None, :], y1.to(Y.dtype.element_ty), mask=mask)
+        tl.store(y_base + second[None, :], y2.to(Y.dtype.element_ty), mask=mask)
     if BLOCK_PASS > 0:
         p = 2 * half_rot + tl.arange(0, BLOCK_PASS)
         pass_mask = (h[:, None] < n_heads) & (p[None, :] < head_dim)
