@@ -209,16 +209,17 @@ def run_or_oom(impl, model_type, shape_kwargs, state, args, batch):
     return dict(impl=impl, batch=batch, error=error)
 
 
-def plot_sweep(results, path, title):
-    """tokens/s and peak memory against the batch size, one line per implementation."""
+def plot_sweep(results, path, title, names=None):
+    """tokens/s and peak memory against the batch size, one line per implementation (``names``:
+    legend names of the implementations before their "+compile")."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
-    names = {"hf": "HF", "tigon": "HF + tigon", "liger": "HF + Liger-Kernel"}
-    colours = {"hf": "#7f7f7f", "tigon": "#d62728", "liger": "#2ca02c"}
+    names = names or {"hf": "HF", "tigon": "HF + tigon", "liger": "HF + Liger-Kernel"}
+    colours = {"hf": "#7f7f7f", "torchtune": "#7f7f7f", "tigon": "#d62728", "liger": "#2ca02c"}
     for impl in dict.fromkeys(r["impl"] for r in results):
         ok = [r for r in results if r["impl"] == impl and "error" not in r]
         if not ok:
@@ -308,9 +309,9 @@ def main():
     print_table(results)
 
 
-def run_isolated(args):
-    """Each implementation in a child process (same weights: the seed fixes them), results
-    merged in the order of --impls; a child that dies leaves a row saying so."""
+def run_isolated(args, script=__file__):
+    """Each implementation in a child process running ``script`` (same weights: the seed fixes
+    them), results merged in the order of --impls; a child that dies leaves a row saying so."""
     import subprocess
     import sys
     import tempfile
@@ -319,14 +320,16 @@ def run_isolated(args):
     for impl in args.impls.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             argv = [a for a in sys.argv[1:] if a != "--isolate"]
-            i = argv.index("--impls")
-            argv[i + 1] = impl
+            if "--impls" in argv:
+                argv[argv.index("--impls") + 1] = impl
+            else:
+                argv += ["--impls", impl]
             if "--out" in argv:
                 j = argv.index("--out")
                 argv[j + 1] = tmp
             else:
                 argv += ["--out", tmp]
-            proc = subprocess.run([sys.executable, __file__, *argv])
+            proc = subprocess.run([sys.executable, script, *argv])
             name = f"train_{args.shape}" + ("_batch_sweep" if args.batches else "")
             path = os.path.join(tmp, f"{name}.json")
             child = json.load(open(path)) if os.path.exists(path) else {}

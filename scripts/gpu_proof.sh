@@ -3,7 +3,8 @@
 # folder of the same name under $OUT, as committed there.
 # Usage (device machine, repo root; carry .whl with liger-kernel and cut-cross-entropy):
 #   OUT=/some/dir bash scripts/gpu_proof.sh quick|demo|ops-a|ops-b|losses|train|sweep|host|shapes|
-#                                            compile-check|compile-profile|launch-check|compile-qwen|compile-llama
+#                                            compile-check|compile-profile|launch-check|compile-qwen|compile-llama|
+#                                            torchtune|tests
 #   (several: one after the other; one device call runs 10 minutes at most, so ops-a and ops-b
 #   are separate calls). Merge the op halves afterwards (no GPU):
 #   python -m tigon.bench.ops --merge ops_a ops_b --out ops
@@ -102,6 +103,22 @@ case "$part" in
       --batches ${BATCHES:-16 32 64 128 256 512} --impls ${IMPLS:-tigon+compile,hf+compile,tigon,liger,hf,liger+compile} \
       --isolate --warmup 2 --timed-tokens ${TIMED_TOKENS:-49152} --out "$OUT/train" 2>&1 | grep -v -i "warn\|backend impl" \
       | tee "$OUT/train/train_${shape}_compile_sweep.log" || status=1
+    ;;
+  torchtune)  # the torchtune + torch.compile study (carry torchtune and its wheels, see its README
+    # section); IMPLS: a subset (one device call runs about two), joined with train_torchtune.py --merge
+    mkdir -p "$OUT/torchtune"
+    timeout ${SWEEP_TIMEOUT:-560} python3 benchmarks/train_torchtune.py --isolate \
+      --impls ${IMPLS:-torchtune,torchtune+compile,liger+compile,tigon+compile} \
+      --batches ${BATCHES:-16 32 64 128 256 512 1024} --timed-tokens ${TIMED_TOKENS:-32768} \
+      --curve-batch 128 --curve-steps 30 --lr 3e-4 ${PROFILE_BATCH:+--profile-batch $PROFILE_BATCH --profile-dir $OUT/torchtune} \
+      --out "$OUT/torchtune" 2>&1 | grep -v -i "warn\|Packing" \
+      | tee "$OUT/torchtune/train_torchtune.log" || status=1
+    ;;
+  tests)  # GPU runs of the test files or node ids in TESTS
+    mkdir -p "$OUT/tests"
+    timeout ${TEST_TIMEOUT:-540} python3 -m pytest -q --gpu -p no:cacheprovider $TESTS \
+      > "$OUT/tests/gpu_tests.log" 2>&1 || status=1
+    tail -15 "$OUT/tests/gpu_tests.log"
     ;;
   *)
     echo "unknown part: $part" >&2
