@@ -33,7 +33,9 @@ def _fresh_dynamo():
 def decoder(tie=True, dtype=torch.float32, family="llama3_2"):
     from torchtune.models.gemma import gemma
     from torchtune.models.llama3 import llama3
+    from torchtune.models.gemma2 import gemma2
     from torchtune.models.llama3_2 import llama3_2
+    from torchtune.models.mistral import mistral
     from torchtune.models.qwen2 import qwen2
 
     shape = dict(vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=64, max_seq_len=64,
@@ -47,6 +49,12 @@ def decoder(tie=True, dtype=torch.float32, family="llama3_2"):
         elif family == "gemma":
             assert tie, "torchtune's gemma builder ties its output"
             model = gemma(**{k: v for k, v in shape.items() if k != "num_kv_heads"}, head_dim=16, num_kv_heads=1)
+        elif family == "gemma2":
+            assert tie, "torchtune's gemma2 builder ties its output"
+            model = gemma2(**shape, head_dim=16, sliding_window_size=8)
+        elif family == "mistral":
+            assert not tie, "torchtune's mistral builder has an untied output"
+            model = mistral(**shape)
         else:
             assert not tie, "torchtune's llama3 builder has an untied output"
             model = llama3(**shape)
@@ -84,7 +92,7 @@ def patched_pair(tie=True, dtype=torch.float32, family="llama3_2"):
 
 
 @pytest.mark.parametrize("family,tie", [("llama3_2", True), ("llama3_2", False), ("llama3", False), ("qwen2", True),
-                                        ("gemma", True)])
+                                        ("gemma", True), ("mistral", False)])
 def test_patched_decoder_matches_torchtune(family, tie):
     ref, model, report = patched_pair(tie, family=family)
     assert report.patched == {"output (hidden states to the loss)": 1, "RMSNorm": 5, "RoPE": 1, "FeedForward": 2}, report  # one RoPE module, shared by the layers
@@ -100,6 +108,22 @@ def test_patched_decoder_matches_torchtune(family, tie):
     model.eval(), ref.eval()
     with torch.no_grad():
         assert torch.allclose(model(tokens), ref(tokens), rtol=1e-4, atol=1e-4)  # eval: logits
+
+
+def test_gemma2_keeps_its_output_and_matches_torchtune():
+    """Gemma 2 (four norms a layer, soft-capped logits): norms, RoPE and MLPs patched, the output
+    left alone (the report says why): the decoder still returns logits, the stock ones, and the
+    recipe's own cross entropy gives the stock gradients."""
+    ref, model, report = patched_pair(family="gemma2")
+    assert report.patched == {"RMSNorm": 9, "RoPE": 1, "FeedForward": 2}, report  # the final norm is wrapped
+    assert any("output" in why for why in report.skipped), report
+    tokens, labels = recipe_batch()
+    expected = reference_loss(ref, tokens, labels)
+    expected.backward()
+    loss = reference_loss(model, tokens, labels)
+    loss.backward()
+    assert torch.allclose(loss, expected, rtol=1e-5, atol=1e-6)
+    assert_same_gradients(ref, model, tol=1e-4)
 
 
 def test_bf16_decoder_close_to_torchtune():
