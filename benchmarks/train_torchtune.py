@@ -75,8 +75,7 @@ class StudyLoss(torch.nn.Module):
 
         import tigon.torchtune
 
-        self.model = [model]  # not a submodule: the loss owns no parameters
-        self.weight = lambda: tigon.torchtune.output_weight(model)
+        self.weight = lambda: tigon.torchtune.output_weight(model)  # not a submodule: the loss owns no parameters
         self.loss = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)
 
     def forward(self, hidden, labels):

@@ -118,8 +118,8 @@ def _make_feed_forward_forward(activation: str, ends_layer: bool):
         # MLP may keep only its input in a checkpointed layer. When its output goes straight into
         # the residual (no post-MLP norm, as Gemma 2's, which saves it) and torchtune
         # checkpoints layer by layer, it may also skip its matmuls when checkpoint recomputes a
-        # layer compiled on its own (the recipes' compile).
-        last = ends_layer and bool(checkpointed) and torch.compiler.is_compiling()
+        # layer compiled on its own (the recipes' compile). (checkpointed is None when eager.)
+        last = ends_layer and bool(checkpointed)
         return gated_mlp(x, self.w1, self.w3, self.w2, activation, keep_input_only=True, checkpointed=checkpointed,
                          last_in_checkpoint=last)
     return forward

@@ -364,14 +364,12 @@ def test_example_config_has_every_key_of_the_stock_config():
     """examples/torchtune/llama3_2_1B_full_tigon.yaml is a full config of the recipe (every key
     of torchtune's own llama3_2/1B_full_single_device, with the study's settings), and each
     component it names imports."""
-    import importlib
+    import importlib.util
     import os
 
     from omegaconf import OmegaConf
 
-    from tigon.torchtune_recipe import torchtune_recipe_module
-
-    recipes = os.path.dirname(torchtune_recipe_module().__file__)
+    recipes = list(importlib.util.find_spec("recipes").submodule_search_locations)[0]  # torchtune's recipe files
     stock = OmegaConf.load(os.path.join(recipes, "configs", "llama3_2", "1B_full_single_device.yaml"))
     example = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "..", "examples", "torchtune",
                                           "llama3_2_1B_full_tigon.yaml"))

@@ -189,8 +189,8 @@ def checkpoint_recompute_stops_after(n_saved: int) -> bool:
     next ``n_saved`` tensors are saved: then the caller's output is never read, only what it
     saves. Reads checkpoint's private state; anything unexpected gives False (compute as usual)."""
     try:
-        pack = _checkpoint_pack_hook()
-        if pack is None or "_recomputation_hook" not in pack.__qualname__:
+        pack = _recomputation_pack_hook()
+        if pack is None:
             return False
         cells = dict(zip(pack.__code__.co_freevars, (c.cell_contents for c in pack.__closure__)))
         frame, gid = cells["target_frame_ref"](), cells["gid"]
@@ -199,12 +199,17 @@ def checkpoint_recompute_stops_after(n_saved: int) -> bool:
         return False
 
 
+def _recomputation_pack_hook():
+    """The pack hook of checkpoint's recomputation when one is running (in the backward), else None."""
+    pack = _checkpoint_pack_hook()
+    return pack if pack is not None and "_recomputation_hook" in pack.__qualname__ else None
+
+
 def in_checkpoint_recomputation() -> bool:
     """True while a non-reentrant torch.utils.checkpoint recomputes its region (in the backward);
     False elsewhere, and when checkpoint's internals moved."""
     try:
-        pack = _checkpoint_pack_hook()
-        return pack is not None and "_recomputation_hook" in pack.__qualname__
+        return _recomputation_pack_hook() is not None
     except Exception:
         return False
 

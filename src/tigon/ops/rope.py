@@ -49,9 +49,8 @@ def rope_load_heads(X, sxb, sxh, sxt, b, t, n_heads, half_rot, BLOCK_H: tl.const
         return x1, x2
     d = tl.arange(0, BLOCK_D)
     mask = (h[:, None] < n_heads) & (d[None, :] < half_rot)
-    first, second = d, half_rot + d  # halves
-    x1 = tl.load(base + first[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + second[None, :], mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(base + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + half_rot + d[None, :], mask=mask, other=0.0).to(tl.float32)
     return x1, x2
 
 
@@ -73,9 +72,8 @@ def rope_store_heads(
         tl.store(y_base + e[None, :], y.to(Y.dtype.element_ty),
                  mask=(h[:, None] < n_heads) & (e[None, :] < 2 * half_rot))
     else:
-        first, second = d, half_rot + d  # halves
-        tl.store(y_base + first[None, :], y1.to(Y.dtype.element_ty), mask=mask)
-        tl.store(y_base + second[None, :], y2.to(Y.dtype.element_ty), mask=mask)
+        tl.store(y_base + d[None, :], y1.to(Y.dtype.element_ty), mask=mask)
+        tl.store(y_base + half_rot + d[None, :], y2.to(Y.dtype.element_ty), mask=mask)
     if BLOCK_PASS > 0:
         p = 2 * half_rot + tl.arange(0, BLOCK_PASS)
         pass_mask = (h[:, None] < n_heads) & (p[None, :] < head_dim)
