@@ -36,6 +36,27 @@ def interpreter_enabled() -> bool:
     return _INTERPRETER
 
 
+# Ops whose bodies only check arguments, allocate and launch tigon's kernels are registered with
+# torch.library.triton_op: torch.compile then traces the body and Inductor launches the kernels
+# from its generated code, so a compiled step runs none of tigon's Python per call (~130-580 us
+# a call on the H100's host as opaque custom ops). TIGON_TRITON_OPS=0 (before tigon is
+# imported) registers them as plain custom ops instead, for comparison.
+_TRITON_OPS = os.environ.get("TIGON_TRITON_OPS", "1") != "0"
+KERNEL_OPS: list[str] = []  # the names registered through kernel_op, in registration order
+
+
+def kernel_op(name: str, *, mutates_args=()):
+    """Decorator: ``torch.library.triton_op(name)``, or ``torch.library.custom_op(name)`` under
+    the interpreter (torch.compile would trace the body with fake tensors into kernels the
+    interpreter cannot launch) or with TIGON_TRITON_OPS=0. Eager calls run the same body either
+    way. The body launches through ``tigon.ops._internals.launch``; a fake implementation is
+    registered on the result as for any custom op."""
+    KERNEL_OPS.append(name)
+    if _TRITON_OPS and not _INTERPRETER:
+        return torch.library.triton_op(name, mutates_args=mutates_args)
+    return torch.library.custom_op(name, mutates_args=mutates_args)
+
+
 # Bytes of logits one chunk of a chunked loss may hold (fused linear cross entropy, the
 # post-training losses): the one default every chunked op uses. 512 MiB keeps FLCE within
 # 1.07x of its three matmuls on an H100 at BT 8192, H 4096, V 128256 (benchmarks/tuning).
@@ -276,4 +297,5 @@ def persistent_programs(device: torch.device, n_tasks: int, per_sm: int) -> int:
         limit = _multiprocessor_count(index) * per_sm
     else:
         limit = 2  # small, so the interpreter exercises programs that loop over several tasks
-    return max(1, min(limit, n_tasks))
+    # sym_min / sym_max: n_tasks may be symbolic (a traced op body), and must stay so.
+    return torch.sym_max(1, torch.sym_min(limit, n_tasks))

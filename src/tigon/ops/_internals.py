@@ -18,6 +18,9 @@ when ``TIGON_PRIVATE_APIS=0`` is set (before tigon is imported):
   "retained" (a fresh scaled copy every backward: exact, one more [N, V] or [V, H] buffer).
 - ``engine_will_run``: whether autograd will run a node in this backward (the tied-embedding
   gradient slot). Off: never (the head and the embedding each return their own gradient).
+- ``assert_on_device``: ``torch._assert_async``, a check of tensor data that a traced graph
+  runs on the device (a host sync cannot be traced): RoPE's positions under torch.compile. Off:
+  not checked there (eager calls still check on the host).
 - ``triton_imported_before_interpreter``: recognises Triton's library as compiled code when
   TRITON_INTERPRET=1 came too late, for a clear error (no effect on results).
 """
@@ -120,9 +123,17 @@ def set_fast_launch(enabled: bool) -> None:
     _FAST_LAUNCH = bool(enabled) and not interpreter_enabled()
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def launch(kernel, grid, *args, **options) -> None:
     """``kernel[grid](*args, **options)``: runtime arguments positional (in the kernel's order),
-    constexprs and num_warps / num_stages by keyword."""
+    constexprs and num_warps / num_stages by keyword. While torch.compile traces an op body (its
+    tensors are functional / fake subclasses), the launch is recorded through
+    ``torch.library.wrap_triton`` for Inductor to emit."""
+    if any(isinstance(a, torch.Tensor) and type(a) not in _PLAIN_TENSORS for a in args):
+        torch.library.wrap_triton(kernel)[grid](*args, **options)
+        return
     if not _FAST_LAUNCH or _launch_hooks_set():
         kernel[grid](*args, **options)
         return
@@ -223,3 +234,10 @@ def engine_will_run(node) -> bool:
         return bool(torch._C._will_engine_execute_node(node))
     except RuntimeError:
         return False
+
+
+def assert_on_device(condition: torch.Tensor, message: str) -> None:
+    """Fail the run (a device-side assert, no host sync) unless the one-element bool tensor
+    ``condition`` holds; for traced code, where reading the value on the host is impossible."""
+    if PRIVATE_APIS:
+        torch._assert_async(condition, message)

@@ -13,11 +13,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from tigon.ops._common import as_rows
+from tigon.ops._common import as_rows, kernel_op
 from tigon.ops.rms_norm import _rms_norm_out_dtype, check_norm_args, rms_norm_forward, rms_norm_gradients
 
 
-@torch.library.custom_op("tigon::fused_add_rms_norm", mutates_args=())
+@kernel_op("tigon::fused_add_rms_norm", mutates_args=())
 def fused_add_rms_norm_op(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, offset: float,
                           casting: str, inplace: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(y, s = x + residual, rstd fp32 [rows]) for x, residual [..., N]."""

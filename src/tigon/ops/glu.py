@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
@@ -26,6 +25,7 @@ from tigon.ops._common import (
     check_same_device,
     check_same_dtype,
     check_tensor,
+    kernel_op,
     new_output,
     next_pow2,
 )
@@ -189,7 +189,7 @@ def glu_backward(dc2, a2, b2, activation, da_out=None, db_out=None, gate_multipl
 # refuse a non-number with an error that does not name them.
 
 
-@torch.library.custom_op("tigon::glu", mutates_args=())
+@kernel_op("tigon::glu", mutates_args=())
 def glu_op(a: Tensor, b: Tensor, activation: str, gate_multiplier: float, out_multiplier: float) -> Tensor:
     """c = act(a * gate_multiplier) * b * out_multiplier, contiguous, of a, b [..., I]."""
     check_glu_args(a, b, activation)
@@ -204,7 +204,7 @@ def _(a, b, activation, gate_multiplier, out_multiplier):
     return a.new_empty(a.shape)
 
 
-@torch.library.custom_op("tigon::glu_backward", mutates_args=())
+@kernel_op("tigon::glu_backward", mutates_args=())
 def glu_backward_op(dc: Tensor, a: Tensor, b: Tensor, activation: str, gate_multiplier: float,
                     out_multiplier: float) -> tuple[Tensor, Tensor]:
     """(da, db), contiguous, for the gradient dc of glu_op's output; act is recomputed."""

@@ -21,6 +21,7 @@ from tigon.ops._common import (
     check_tensor,
     contiguous_or_none,
     fake_grad,
+    kernel_op,
     new_output,
     or_empty,
     persistent_programs,
@@ -165,7 +166,7 @@ def layer_norm_backward(dy, x, weight, bias, mean, rstd, compute_dw, compute_db)
 # ---- custom ops: torch.ops.tigon.layer_norm and its backward (see tigon.ops.rms_norm) ----
 
 
-@torch.library.custom_op("tigon::layer_norm", mutates_args=())
+@kernel_op("tigon::layer_norm", mutates_args=())
 def layer_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float
                   ) -> tuple[Tensor, Tensor, Tensor]:
     """(y [..., N], mean fp32 [rows], rstd fp32 [rows]) of x [..., N]."""
@@ -180,7 +181,7 @@ def _(x, weight, bias, eps):
             x.new_empty(n_rows, dtype=torch.float32))
 
 
-@torch.library.custom_op("tigon::layer_norm_backward", mutates_args=())
+@kernel_op("tigon::layer_norm_backward", mutates_args=())
 def layer_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor,
                            rstd: Tensor, compute_dw: bool, compute_db: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(dx like x, dw like weight, db like bias), each of the last two empty when not computed

@@ -34,6 +34,7 @@ from tigon.ops._common import (
     check_tensor,
     contiguous_or_none,
     fake_grad,
+    kernel_op,
     new_output,
     or_empty,
     persistent_programs,
@@ -229,7 +230,7 @@ def _rms_norm_out_dtype(x, weight, casting):
     return torch.promote_types(x.dtype, weight.dtype) if scaled else x.dtype
 
 
-@torch.library.custom_op("tigon::rms_norm", mutates_args=())
+@kernel_op("tigon::rms_norm", mutates_args=())
 def rms_norm_op(x: Tensor, weight: Optional[Tensor], eps: float, offset: float, casting: str,
                 inplace: bool) -> tuple[Tensor, Tensor]:
     """(y [..., N], rstd fp32 [rows]) of x [..., N]. ``inplace``: the backward writes dx over dy."""
@@ -245,7 +246,7 @@ def _(x, weight, eps, offset, casting, inplace):
         x.new_empty(math.prod(x.shape[:-1]), dtype=torch.float32)
 
 
-@torch.library.custom_op("tigon::rms_norm_backward", mutates_args=())
+@kernel_op("tigon::rms_norm_backward", mutates_args=())
 def rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, offset: float, casting: str,
                          compute_dw: bool, ds: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """(dx like x, dw like weight or empty) for dy (and the residual stream's gradient ds, added
@@ -260,7 +261,7 @@ def _(dy, x, weight, rstd, offset, casting, compute_dw, ds):
     return torch.empty_like(x, memory_format=torch.contiguous_format), fake_grad(weight, compute_dw, x)
 
 
-@torch.library.custom_op("tigon::rms_norm_backward_", mutates_args=("dy",))
+@kernel_op("tigon::rms_norm_backward_", mutates_args=("dy",))
 def rms_norm_backward_inplace_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, offset: float,
                                  casting: str, compute_dw: bool, ds: Optional[Tensor]) -> Tensor:
     """rms_norm_backward with dx written over dy (contiguous, x's dtype); returns dw or empty."""

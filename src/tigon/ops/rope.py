@@ -26,11 +26,13 @@ from tigon.ops._common import (
     check_same_device,
     check_same_dtype,
     check_tensor,
+    kernel_op,
     new_output,
     next_pow2,
     poison_,
+    traced,
 )
-from tigon.ops._internals import launch
+from tigon.ops._internals import assert_on_device, launch
 
 
 @triton.jit
@@ -264,9 +266,15 @@ def check_rope_args(q, k, cos, sin, position_ids, unsqueeze_dim, interleaved=Fal
 
 
 def check_positions_in_table(position_ids, cos):
-    """One host sync (skipped in CUDA-graph capture): an out-of-table position would read
-    outside cos / sin. Reads data: in the real implementation only."""
-    if position_ids is not None and position_ids.numel() and not capturing():
+    """An out-of-table position would read outside cos / sin: one host sync in eager calls
+    (skipped in CUDA-graph capture), a device-side assert in a traced graph."""
+    if position_ids is None or not position_ids.numel():
+        return
+    if traced(position_ids):
+        n = cos.shape[-2]
+        assert_on_device(((position_ids >= 0) & (position_ids < n)).all(),
+                         "position_ids must lie in [0, P) for cos / sin of P positions")
+    elif not capturing():
         lo, hi = int(position_ids.min()), int(position_ids.max())
         if lo < 0 or hi >= cos.shape[-2]:
             raise ValueError(f"position_ids range over [{lo}, {hi}] but cos has {cos.shape[-2]} positions")
@@ -280,7 +288,7 @@ def check_positions_in_table(position_ids, cos):
 # same strides from the same metadata (dense_strides).
 
 
-@torch.library.custom_op("tigon::rope", mutates_args=())
+@kernel_op("tigon::rope", mutates_args=())
 def rope_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor], unsqueeze_dim: int,
             interleaved: bool = False) -> tuple[Tensor, Tensor]:
     """(q_embed, k_embed) of q, k [B, H, T, D] (``unsqueeze_dim=1``) or [B, T, H, D] (2)."""
@@ -297,7 +305,7 @@ def _(q, k, cos, sin, position_ids, unsqueeze_dim, interleaved=False):
             new_with_strides(k.shape, k.dtype, k.device, dense_strides(k)))
 
 
-@torch.library.custom_op("tigon::rope_backward", mutates_args=())
+@kernel_op("tigon::rope_backward", mutates_args=())
 def rope_backward_op(grad_q: Tensor, grad_k: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor],
                      unsqueeze_dim: int, q_strides: list[int], k_strides: list[int], interleaved: bool = False
                      ) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,118 @@
+"""The ops registered through ``kernel_op`` (``torch.library.triton_op`` on the GPU) under
+torch.compile with dynamic shapes: eager's values and gradients at two batch sizes from one
+compilation. On the GPU, with Inductor, the generated code launches tigon's kernels itself: no
+call of a ``torch.ops.tigon`` op is left in it (on the CPU the ops are plain custom ops run by
+the interpreter, and "aot_eager" stands in for Inductor)."""
+
+import pytest
+import torch
+
+import tigon.functional as TF
+from tests.helpers import ON_GPU, pick, randn
+from tests.ops.test_rope import hf_cos_sin
+from tigon.ops._common import KERNEL_OPS
+
+BACKEND = pick(cpu="aot_eager", gpu="inductor")
+HIDDEN = pick(cpu=37, gpu=896)
+
+
+def norm_case(batch, casting="llama", inplace=False):
+    x = randn((batch, 5, HIDDEN), torch.float32, shift=1.0, requires_grad=True)
+    w = randn((HIDDEN,), torch.float32, shift=1.0, requires_grad=True)
+    offset = 1.0 if casting == "gemma" else 0.0
+    return lambda x, w: TF.rms_norm(x * 2.0, w, 1e-6, offset, casting, inplace), [x, w]
+
+
+def fused_add_case(batch):
+    x, r = (randn((batch, 5, HIDDEN), torch.float32, requires_grad=True) for _ in range(2))
+    w = randn((HIDDEN,), torch.float32, shift=1.0, requires_grad=True)
+
+    def fn(x, r, w):
+        y, s = TF.fused_add_rms_norm(x * 1.5, r, w, inplace=True)
+        return y + 0.5 * s
+    return fn, [x, r, w]
+
+
+def layer_norm_case(batch):
+    x = randn((batch, 5, HIDDEN), torch.float32, shift=2.0, requires_grad=True)
+    w = randn((HIDDEN,), torch.float32, shift=1.0, requires_grad=True)
+    b = randn((HIDDEN,), torch.float32, requires_grad=True)
+    return lambda x, w, b: TF.layer_norm(x, w, b), [x, w, b]
+
+
+def glu_case(batch):
+    a, b = (randn((batch, 5, 3 * HIDDEN), torch.float32, requires_grad=True) for _ in range(2))
+    return lambda a, b: TF.glu(a * 1.0, b, "silu"), [a, b]
+
+
+def rope_case(batch, positions=False):
+    hq, hk, tokens, dim = 4, 2, 6, 16
+    proj_q = randn((batch, tokens, hq * dim), torch.float32, requires_grad=True)
+    proj_k = randn((batch, tokens, hk * dim), torch.float32, requires_grad=True)
+    cos, sin = hf_cos_sin(1, 11 if positions else tokens, dim, torch.float32)
+    pos = torch.arange(3, 3 + tokens, device=proj_q.device)[None] if positions else None
+    if positions:
+        cos, sin = cos[0], sin[0]
+
+    def fn(proj_q, proj_k):
+        b = proj_q.shape[0]
+        q = proj_q.view(b, tokens, hq, dim).transpose(1, 2)
+        k = proj_k.view(b, tokens, hk, dim).transpose(1, 2)
+        out_q, out_k = TF.apply_rotary_pos_emb(q, k, cos, sin, position_ids=pos)
+        return torch.cat([out_q.flatten(), out_k.flatten()])
+    return fn, [proj_q, proj_k]
+
+
+CASES = {
+    "rms_norm": (norm_case, {"tigon::rms_norm", "tigon::rms_norm_backward"}),
+    "rms_norm gemma, in place": (lambda b: norm_case(b, "gemma", inplace=True),
+                                 {"tigon::rms_norm", "tigon::rms_norm_backward_"}),
+    "fused_add_rms_norm": (fused_add_case, {"tigon::fused_add_rms_norm", "tigon::rms_norm_backward_"}),
+    "layer_norm": (layer_norm_case, {"tigon::layer_norm", "tigon::layer_norm_backward"}),
+    "glu": (glu_case, {"tigon::glu", "tigon::glu_backward"}),
+    "rope": (rope_case, {"tigon::rope", "tigon::rope_backward"}),
+    "rope, position_ids": (lambda b: rope_case(b, positions=True), {"tigon::rope", "tigon::rope_backward"}),
+}
+
+
+def test_every_kernel_op_has_a_case():
+    covered = set().union(*(ops for _, ops in CASES.values()))
+    assert covered == set(KERNEL_OPS)
+
+
+def outputs_and_grads(fn, inputs, cotangent_seed):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(cotangent_seed)).to(out)
+    grads = torch.autograd.grad(out, leaves, cotangent)
+    return [out.detach(), *grads]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_op_compiles_to_eager_values_once_for_every_batch(case):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    make, _ = CASES[case]
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(BACKEND)
+    fn, _ = make(2)
+    compiled = torch.compile(fn, backend=counter, dynamic=True)
+    codes, frames_after_first = [], None
+    for batch in (2, 3):
+        _, inputs = make(batch)
+        want = outputs_and_grads(fn, inputs, batch)
+        if ON_GPU and batch == 2:
+            from torch._inductor.utils import run_and_get_code
+
+            got, codes = run_and_get_code(outputs_and_grads, compiled, inputs, batch)
+        else:
+            got = outputs_and_grads(compiled, inputs, batch)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        frames_after_first = frames_after_first or counter.frame_count
+    assert counter.frame_count == frames_after_first, "a new batch size compiled again"
+    if ON_GPU:
+        code = "\n".join(codes)
+        assert "torch.ops.tigon" not in code, "Inductor called a tigon op instead of launching its kernels"
+        assert "_kernel" in code
+    torch._dynamo.reset()
