@@ -59,9 +59,11 @@ def activation_name(name: str) -> str:
 
 
 def glu_launch_config(n_cols: int) -> tuple[int, int]:
-    """(elements per program, warps). On an H100 (benchmarks/tuning/tune_kernels.py, bf16) blocks of
-    4096 with 16 warps ran at 94-98% of copy bandwidth; short rows take one block of the row's
-    size with a warp per 256 elements."""
+    """(elements per program, warps) for rows of n_cols (the intermediate size I, also when the
+    rows are walked as one: a size that does not change with the batch, which a compiled graph
+    may not specialise on). On an H100 (benchmarks/tuning/tune_kernels.py, bf16) blocks of 4096
+    with 16 warps ran at 94-98% of copy bandwidth; short rows take one block of the row's size
+    with a warp per 256 elements."""
     block = min(4096, next_pow2(n_cols))
     return block, max(2, min(16, block // 256))
 
@@ -159,7 +161,7 @@ def glu_forward(a2, b2, activation, out=None, gate_multiplier=1.0, out_multiplie
     c = out if out is not None else new_output(a2.shape, a2.dtype, a2.device)
     if a2.numel():
         n_rows, n_cols, (sa, sb, sc) = _glu_rows(a2, b2, c)
-        block, num_warps = glu_launch_config(n_cols)
+        block, num_warps = glu_launch_config(a2.shape[1])
         blocks_per_row = cdiv(n_cols, block)
         launch(glu_forward_kernel, (n_rows * blocks_per_row,),
             a2, sa, b2, sb, c, sc, n_cols, blocks_per_row, float(gate_multiplier), float(out_multiplier),
@@ -174,7 +176,7 @@ def glu_backward(dc2, a2, b2, activation, da_out=None, db_out=None, gate_multipl
     db = db_out if db_out is not None else new_output(a2.shape, a2.dtype, a2.device)
     if a2.numel():
         n_rows, n_cols, (sdc, sa, sb, sda, sdb) = _glu_rows(dc2, a2, b2, da, db)
-        block, num_warps = glu_launch_config(n_cols)
+        block, num_warps = glu_launch_config(a2.shape[1])
         blocks_per_row = cdiv(n_cols, block)
         launch(glu_backward_kernel, (n_rows * blocks_per_row,),
             dc2, sdc, a2, sa, b2, sb, da, sda, db, sdb, n_cols, blocks_per_row, float(gate_multiplier), float(out_multiplier),

@@ -76,8 +76,12 @@ DOWN_PROJ_MIN_SLICE_ROWS = 2048
 # path that keeps gate and up. The host decides at small batch: each slice costs ~11 host calls,
 # and a compiled Qwen2.5-0.5B step at 16 x 512 (H100 host) spent 31 ms of host time in the
 # backward with 32 MiB (3 slices) and 14 ms with 128 MiB (1 slice), 162 -> 141 ms per step.
-# From ~32K tokens on, MLP_MIN_SLICE_COLUMNS sets the width whatever the budget.
-MLP_SLICE_BUDGET_BYTES = 128 * 2**20
+# Raised to 512 MiB once torch.compile launched the other ops' kernels itself and a compiled
+# Qwen2.5-0.5B step became GPU-bound (profile_step.py --mlp-slice-budget-mib, H100): at 32 x 512
+# 157.4 -> 152.5 ms, at 64 x 512 310.4 -> 293.4 ms (one slice instead of two or three: fewer fp32
+# passes over dx, larger matmuls), for up to ~1 GiB more transient memory at those batches.
+# From 128K tokens on (bf16), MLP_MIN_SLICE_COLUMNS sets the width whatever the budget.
+MLP_SLICE_BUDGET_BYTES = 512 * 2**20
 # Narrower glu_mlp slices than this cost more than they save: more matmuls, and the fp32 dx read
 # and written once more per slice (with 512- and 256-column slices a Llama-1B step at batch 32
 # and 64 x 1024 ran 11% and 28% slower than with the MLP that keeps gate and up).
@@ -101,10 +105,16 @@ def down_proj_slice_rows(n_rows: int) -> int:
 
 
 def mlp_slice_columns(n_rows: int, n_cols: int, element_size: int) -> int:
-    """Columns of one glu_mlp slice of the intermediate (a multiple of 64, or all of I)."""
+    """Columns of one glu_mlp slice of the intermediate (a multiple of 64, or all of I): as few
+    slices as the budget allows, of equal widths (no narrow last slice: Qwen2.5-0.5B's I = 4864 at
+    16K tokens is 2 x 2432, not 4096 + 768)."""
     width = MLP_SLICE_BUDGET_BYTES // max(1, n_rows * element_size)
     width = max(MLP_MIN_SLICE_COLUMNS, width // 64 * 64)
-    return min(n_cols, width)
+    if width >= n_cols:
+        return n_cols
+    n_slices = -(-n_cols // width)  # the count the budget and the floor give, then equal widths
+    per_slice = -(-n_cols // n_slices)
+    return -(-per_slice // 64) * 64
 
 
 def column_slices(n_cols: int, width: int):
