@@ -162,5 +162,7 @@ def test_gated_mlp_under_checkpoint_compiles_without_graph_breaks(monkeypatch):
             return h + glu_mlp.gated_mlp(h, *layers, "silu")
         return (checkpoint_module.checkpoint(block, x, use_reentrant=False) ** 2).sum()
 
-    assert_compiles_like_eager(loss, [x])
+    # On the GPU the two paths' fp32 matmuls sum in different orders (eager: the input-only MLP's
+    # dx accumulation; compiled: autograd's): gradients up to 6.5e-5 apart elementwise (H100).
+    assert_compiles_like_eager(loss, [x], rel=pick(cpu=None, gpu=1e-5))
     assert len(input_only_calls) == 2  # eager: the forward and checkpoint's recomputation
