@@ -130,8 +130,9 @@ def launch(kernel, grid, *args, **options) -> None:
     """``kernel[grid](*args, **options)``: runtime arguments positional (in the kernel's order),
     constexprs and num_warps / num_stages by keyword. While torch.compile traces an op body (its
     tensors are functional / fake subclasses), the launch is recorded through
-    ``torch.library.wrap_triton`` for Inductor to emit."""
-    if any(isinstance(a, torch.Tensor) and type(a) not in _PLAIN_TENSORS for a in args):
+    ``torch.library.wrap_triton`` for Inductor to emit. The first argument (a tensor in every
+    tigon kernel) tells which: one type check a launch on the eager path."""
+    if type(args[0]) not in _PLAIN_TENSORS:
         torch.library.wrap_triton(kernel)[grid](*args, **options)
         return
     if not _FAST_LAUNCH or _launch_hooks_set():
