@@ -175,3 +175,52 @@ def test_compiled_loss_queues_its_label_check():
     schema = torch.ops.tigon.fused_linear_cross_entropy.default._schema
     position = [a.name for a in schema.arguments].index("defer_label_check")
     assert calls and all(n.args[position] is True for n in calls)
+
+
+def sdpa_masks(model, ids, labels):
+    """Whether each SDPA call of the compiled model's traced graph got an explicit mask."""
+    masked = []
+
+    def record(gm, example_inputs):
+        for sub in gm.modules():
+            if isinstance(sub, torch.fx.GraphModule):
+                masked.extend(n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None) is not None
+                              for n in sub.graph.nodes
+                              if n.op == "call_function" and "scaled_dot_product_attention" in str(n.target))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=record)(input_ids=ids, labels=labels).loss.backward()
+    return masked
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral"])
+def test_compiled_attention_is_causal_without_a_mask(model_type, monkeypatch):
+    """Without attention mask, positions or cache, eager HF runs SDPA with is_causal=True; traced,
+    HF (transformers < 5.2x, or torch < 2.14) materialises the [B, 1, T, T] mask, which the
+    stand-in below reproduces on any version. A patched model keeps is_causal under compile; a
+    given attention mask is still applied."""
+    from transformers import masking_utils
+
+    hf_rule = masking_utils._ignore_causal_mask_sdpa
+
+    def _ignore_causal_mask_sdpa(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
+        return not torch.compiler.is_compiling() and hf_rule(padding_mask, q_length, kv_length, q_offset, kv_offset,
+                                                             local_attention_size)
+
+    monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", _ignore_causal_mask_sdpa)
+    ref = tiny_model(model_type).train()
+    model = copy.deepcopy(ref)
+    assert "causal_mask" in tigon.patch(model).pieces()
+    ids, labels = batch(model.config.vocab_size)
+    hf = sdpa_masks(ref, ids, labels)
+    assert hf and all(hf)  # the premise: traced HF passes a mask
+    ours = sdpa_masks(model, ids, labels)
+    assert len(ours) == len(hf) and not any(ours)
+    padded = torch.ones_like(ids)
+    padded[0, :3] = 0
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=recording_backend()[1])
+    loss = compiled(input_ids=ids, labels=labels, attention_mask=padded).loss
+    eager = ref(input_ids=ids, labels=labels, attention_mask=padded).loss
+    assert torch.allclose(loss, eager, rtol=pick(cpu=1e-5, gpu=1e-3)), (loss, eager)

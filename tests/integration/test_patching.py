@@ -217,7 +217,7 @@ def test_unknown_family_is_patched_by_structure():
 def test_auto_model_returns_a_patched_model():
     config = AutoConfig.for_model("qwen3", **SIZE)
     model = tigon.AutoModelForCausalLM.from_config(config, rope=False)
-    assert model.tigon_report.pieces() == {"rms_norm", "swiglu", "loss", "packed_check"}
+    assert model.tigon_report.pieces() == {"rms_norm", "swiglu", "loss", "packed_check", "causal_mask"}
     assert "forward" in model.model.norm.__dict__
 
 

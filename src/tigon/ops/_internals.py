@@ -21,6 +21,9 @@ when ``TIGON_PRIVATE_APIS=0`` is set (before tigon is imported):
 - ``assert_on_device``: ``torch._assert_async``, a check of tensor data that a traced graph
   runs on the device (a host sync cannot be traced): RoPE's positions under torch.compile. Off:
   not checked there (eager calls still check on the host).
+- Not in this file, one of transformers': ``tigon.patching`` wraps
+  ``transformers.masking_utils._ignore_causal_mask_sdpa`` so that a patched model's SDPA keeps
+  ``is_causal=True`` under torch.compile (see ``make_ignore_causal_mask_sdpa``). Off: HF's mask.
 - ``triton_imported_before_interpreter``: recognises Triton's library as compiled code when
   TRITON_INTERPRET=1 came too late, for a clear error (no effect on results).
 """

@@ -4,8 +4,8 @@ Class patching (``patch_llama()``) sets the forwards on the HF classes and repla
 modeling module's RoPE function: every model of the family in the process, built before or
 after, uses tigon. Instance patching (``tigon.patch(model)``, ``patch_llama(model)``) changes
 that model only: its modules get their own forwards (``_InstancePatch``), and the module-level
-functions HF's modules call (RoPE, the packed-sequence check) become dispatchers that run
-tigon's version only inside the patched model's forward.
+functions HF's modules call (RoPE, the packed-sequence check, the SDPA causal-mask decision)
+become dispatchers that run tigon's version only inside the patched model's forward.
 
 What happens to a patched model:
 - ``copy.deepcopy`` gives a patched copy, which ``unpatch()`` unpatches too.
@@ -33,8 +33,10 @@ import torch
 from torch import nn
 
 from tigon.ops._common import chunk_budget_bytes
+from tigon.ops._internals import PRIVATE_APIS
 from tigon.patching.families import BY_MODEL_TYPE, FAMILIES, Family
 from tigon.patching.forwards import (
+    IGNORE_CAUSAL_MASK_PARAMS,
     TigonPatchError,
     activation_module,
     identify_activation,
@@ -42,6 +44,7 @@ from tigon.patching.forwards import (
     make_causal_lm_forward,
     make_experts_forward,
     make_find_packed_sequence_indices,
+    make_ignore_causal_mask_sdpa,
     make_mlp_forward,
     make_rms_norm_forward,
     make_rope_dispatcher,
@@ -427,7 +430,7 @@ def apply_family(family: Family, options: PatchOptions | None = None, model: nn.
                 head = lm.get_output_embeddings()
                 if isinstance(head, nn.Module):
                     _set_instance(head, "forward", make_capturing_head_forward(_forward_before_tigon(head)), undo)
-        _patch_packed_sequence_check(report)
+        _patch_mask_helpers(report)
     log.info("%s", report)
     return report
 
@@ -453,19 +456,37 @@ def _patch_rope(mod, family, rope_fn, model, report):
     report.replaced.append(("rope", f"{where} in {type(attention[0]).__name__}", str(len(attention))))
 
 
-def _patch_packed_sequence_check(report):
-    """Module-wide, but only active during patched causal-LM forwards on positions HF generates
-    itself (see make_find_packed_sequence_indices): HF's check without a host sync."""
+def _patch_mask_helpers(report):
+    """Two of HF's mask helpers, module-wide but changed only during patched causal-LM forwards
+    on positions HF generates itself (no attention mask, positions or cache given):
+    ``find_packed_sequence_indices`` answers "not packed" without its host sync
+    (make_find_packed_sequence_indices), and ``_ignore_causal_mask_sdpa`` lets SDPA use
+    ``is_causal`` under torch.compile as it does in eager (make_ignore_causal_mask_sdpa)."""
     try:
         masking_utils = importlib.import_module("transformers.masking_utils")
     except ImportError:
         return
     fn = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if fn is not None:  # else a transformers without the check: nothing to skip
+        if getattr(fn, "_tigon", None) is None:
+            _set_shared(masking_utils, "find_packed_sequence_indices", make_find_packed_sequence_indices(fn),
+                        report.undo)
+        report.replaced.append(("packed_check", "transformers.masking_utils.find_packed_sequence_indices",
+                                "inside patched forwards"))
+    fn = getattr(masking_utils, "_ignore_causal_mask_sdpa", None)
     if fn is None:
-        return  # a transformers without the check: nothing to skip
+        return
+    if not PRIVATE_APIS:
+        report.skipped.append(("causal_mask", "TIGON_PRIVATE_APIS=0 (a private function of transformers)"))
+        return
     if getattr(fn, "_tigon", None) is None:
-        _set_shared(masking_utils, "find_packed_sequence_indices", make_find_packed_sequence_indices(fn), report.undo)
-    report.replaced.append(("packed_check", "transformers.masking_utils.find_packed_sequence_indices",
+        params = tuple(inspect.signature(fn).parameters)[:len(IGNORE_CAUSAL_MASK_PARAMS)]
+        if params != IGNORE_CAUSAL_MASK_PARAMS:
+            report.skipped.append(("causal_mask", f"transformers.masking_utils._ignore_causal_mask_sdpa takes "
+                                                  f"{params}, not {IGNORE_CAUSAL_MASK_PARAMS}"))
+            return
+        _set_shared(masking_utils, "_ignore_causal_mask_sdpa", make_ignore_causal_mask_sdpa(fn), report.undo)
+    report.replaced.append(("causal_mask", "transformers.masking_utils._ignore_causal_mask_sdpa",
                             "inside patched forwards"))
 
 
