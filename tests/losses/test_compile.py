@@ -12,9 +12,11 @@ from tests.helpers import DEVICE, randn
 from tigon.losses import (
     TigonDPOLoss,
     TigonFusedLinearJSD,
+    TigonGRPOLoss,
     cpo_loss,
     dpo_loss,
     fused_linear_jsd,
+    grpo_loss,
     jsd_loss,
     kto_loss,
     orpo_loss,
@@ -44,6 +46,11 @@ def cases():
     labels = torch.tensor([True, False, True, True, False, False], device=DEVICE)
     tx = randn((2 * PAIRS, TOKENS, TEACHER_HIDDEN), torch.float32)
     tw = randn((VOCAB, TEACHER_HIDDEN), torch.float32, scale=TEACHER_HIDDEN**-0.5 * 3)
+    completion = (torch.arange(TOKENS, device=DEVICE) < torch.tensor([5, 3, 0, 5, 1, 4], device=DEVICE)[:, None]).long()
+    ids = torch.where(target == -100, 0, target)
+    adv, old, ref_lp = randn((2 * PAIRS,), torch.float32), randn(tuple(ids.shape), torch.float32) - 3, \
+        randn(tuple(ids.shape), torch.float32) - 3
+    grpo_module = TigonGRPOLoss(loss_type="grpo", importance_sampling_level="sequence", epsilon_high=0.28)
     dpo_module = TigonDPOLoss(beta=0.2, label_smoothing=0.1)  # floats from a module's options
     jsd_module = TigonFusedLinearJSD(beta=0.3, temperature=2.0, chunk_rows=4)
     return {
@@ -62,6 +69,11 @@ def cases():
                              (x, w, b)),
         "fused_linear_jsd module": (lambda x, w: jsd_module(x, w, tx, tw, target), (x, w)),
         "fused_linear_jsd default budget": (lambda x, w: fused_linear_jsd(x, w, tx, tw, beta=0.0), (x, w)),
+        "grpo dapo": (lambda x, w, b: grpo_loss(x, w, ids, completion, adv, b, ref_per_token_logps=ref_lp,
+                                                old_per_token_logps=old, chunk_sequences=4), (x, w, b)),
+        "grpo module, sequence level, reference model, torch math": (
+            lambda x, w, b: grpo_module(x, w, ids, completion, adv, b, ref_x=ref_x, ref_weight=ref_w, temperature=0.8,
+                                        compiled=True, chunk_sequences=2), (x, w, b)),
         "jsd_loss": (lambda s: (jsd_loss(s, tx @ tw.t(), target, beta=0.5, chunk_rows=4), {}),
                      ((x.detach() @ w.detach().t()).requires_grad_(),)),
     }
@@ -113,7 +125,7 @@ def saved_logit_tensors(fn, args, vocab):
     return shapes
 
 
-@pytest.mark.parametrize("name", ["dpo", "kto", "fused_linear_jsd"])
+@pytest.mark.parametrize("name", ["dpo", "kto", "fused_linear_jsd", "grpo dapo"])
 def test_compiled_loss_keeps_no_chunk_logits_for_backward(name):
     """Each chunk is recomputed in the backward (a checkpoint region): the forward graph saves
     the inputs, not a chunk's logits or the gradient the tigon op formed over them."""
