@@ -3,7 +3,10 @@ forward+backward ms and peak memory, bf16, in one process. Run on a CUDA machine
 ``PYTHONPATH=src python benchmarks/bench_losses.py [--losses dpo orpo jsd] [--impls tigon torch liger]``.
 
 Shapes: DPO / ORPO B pairs (2B sequences) x T tokens, hidden H, vocab V (a reference model's
-hidden states and head for DPO); JSD B x T tokens, student hidden H, teacher hidden H. Peak
+hidden states and head for DPO); JSD B x T tokens, student hidden H, teacher hidden H; GRPO
+(``--losses grpo``) B sequences x T completion tokens, hidden H, vocab --grpo-vocab (dapo, k3 KL
+to given reference log-probs, clip 0.2, old log-probs given), with ``torch+compile`` (the torch
+loss under torch.compile) and ``3 matmuls`` (the logits, dx and dW matmuls alone: the floor). Peak
 memory: max_memory_allocated during one forward+backward beyond what was allocated before
 (inputs) and the returned gradients. Time: median of --reps CUDA-event timings after warm-up.
 """
@@ -18,7 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tigon.losses import dpo_loss, fused_linear_jsd, orpo_loss
+from tigon.losses import dpo_loss, fused_linear_jsd, grpo_loss, orpo_loss
 
 
 def full_logps(x, w, target, average):
@@ -52,6 +55,32 @@ def torch_jsd(sx, sw, tx, tw, target, beta=0.5):
     jsd = beta * (t.exp() * (t - m)).sum(-1) + (1 - beta) * (s.exp() * (s - m)).sum(-1)
     mask = target != -100
     return (jsd * mask).sum() / mask.sum()
+
+
+def torch_grpo_logps(x, w, ids):
+    return torch.gather((x @ w.t()).float().log_softmax(-1), -1, ids.unsqueeze(-1)).squeeze(-1)
+
+
+def torch_grpo(x, w, ids, mask, adv, old, ref, beta=0.04, eps=0.2):
+    """TRL's dapo loss over the full logits (what GRPOTrainer runs without Liger)."""
+    lp = torch_grpo_logps(x, w, ids)
+    coef_1 = torch.exp(lp - old)
+    coef_2 = torch.clamp(coef_1, 1 - eps, 1 + eps)
+    per_token = -torch.min(coef_1 * adv[:, None], coef_2 * adv[:, None])
+    per_token = per_token + beta * (torch.exp(ref - lp) - (ref - lp) - 1)
+    m = mask.float()
+    return (per_token * m).sum() / m.sum().clamp(min=1.0)
+
+
+def three_matmuls(x, w, g):
+    """The logits, dx and dW matmuls of a linear head over all rows (the floor of a fused loss),
+    then a zero loss of x so that the harness's backward has something (one [B, T, H] fill)."""
+    with torch.no_grad():
+        x2 = x.reshape(-1, x.shape[-1])
+        x2 @ w.t()
+        g @ w
+        g.t() @ x2
+    return x.sum() * 0
 
 
 def cases(args):
@@ -95,7 +124,32 @@ def cases(args):
             mod_j = liger.LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=0.5)
             impls["liger"] = lambda: mod_j(sx, sw, tx, tw, jsd_target)
         out[f"JSD B{B} T{T} H{H} V{V}"] = (impls, [sx, sw])
+    if "grpo" in args.losses:
+        Vg = args.grpo_vocab
+        gx, gw = rnd(B, T, H, grad=True), rnd(Vg, H, scale=H**-0.5, grad=True)
+        ids = torch.randint(0, Vg, (B, T), device=dev, generator=g)
+        lengths = torch.randint(T // 2, T + 1, (B,), device=dev, generator=g)
+        mask = (torch.arange(T, device=dev) < lengths[:, None]).long()
+        adv = torch.randn(B, device=dev, generator=g)
+        with torch.no_grad():
+            base = torch_grpo_logps(gx, gw, ids)
+        old = base + 0.05 * torch.randn(B, T, device=dev, generator=g)
+        ref = base + 0.05 * torch.randn(B, T, device=dev, generator=g)
+        compiled = torch.compile(torch_grpo, dynamic=False)
+        g_logits = torch.empty(B * T, Vg, device=dev, dtype=bf).normal_(generator=g)
+        impls = {"tigon": lambda: grpo_loss(gx, gw, ids, mask, adv, ref_per_token_logps=ref, old_per_token_logps=old,
+                                            loss_type="dapo")[0],
+                 "torch": lambda: torch_grpo(gx, gw, ids, mask, adv, old, ref),
+                 "torch+compile": lambda: compiled(gx, gw, ids, mask, adv, old, ref),
+                 "3 matmuls": lambda: three_matmuls(gx, gw, g_logits)}
+        liger = _liger()
+        if liger:
+            mod_g = liger.LigerFusedLinearGRPOLoss(beta=0.04, use_ref_model=True, loss_type="dapo")
+            impls["liger"] = lambda: mod_g(gx, gw, ids, mask, adv, ref_per_token_logps=ref,
+                                           old_per_token_logps=old)[0]
+        out[f"GRPO dapo B{B} T{T} H{H} V{Vg}"] = (impls, [gx, gw])
     return out
+
 
 
 def _liger():
@@ -149,11 +203,12 @@ def measure(fn, leaves, reps, on_gpu=True):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--losses", nargs="*", default=["dpo", "orpo", "jsd"])
-    p.add_argument("--impls", nargs="*", default=["tigon", "torch", "liger"])
+    p.add_argument("--impls", nargs="*", default=["tigon", "torch", "liger", "torch+compile", "3 matmuls"])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--grpo-vocab", type=int, default=151936, help="GRPO's vocabulary (Qwen's, as the issue's shape)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of the script with tiny shapes")

@@ -35,7 +35,7 @@ case "$part" in
     ;;
   losses)
     mkdir -p "$OUT/losses"
-    timeout 300 python3 benchmarks/bench_losses.py --out "$OUT/losses" 2>&1 | tee "$OUT/losses/bench_losses.log" || status=1
+    timeout 420 python3 benchmarks/bench_losses.py --losses dpo orpo jsd grpo --out "$OUT/losses" 2>&1 | tee "$OUT/losses/bench_losses.log" || status=1
     # tigon's DPO loss inside TRL's DPOTrainer (carry trl, datasets, dill, multiprocess in .whl)
     timeout 180 python3 examples/dpo_with_trl.py 2>&1 | grep -v -i warn | tail -20 \
       | tee "$OUT/losses/dpo_with_trl.log" || status=1
