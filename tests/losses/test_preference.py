@@ -93,6 +93,74 @@ def test_dpo_matches_reference(loss_type, reference, chunk_pairs):
         x, w, b, f"dpo[{loss_type}, {reference}, chunks of {chunk_pairs}]")
 
 
+def trl_pair_losses(c, r, ref_c, ref_r, loss_type, beta, ls, tau):
+    """Per-pair losses of TRL 1.16's DPOTrainer._compute_loss (reverse KL), its loss types beyond
+    sigmoid / ipo / hinge ("aot_pair" as its "aot_unpaired")."""
+    cr, rr = c - ref_c, r - ref_r
+    d = cr - rr
+    if loss_type == "robust":
+        return (-(1 - ls) * F.logsigmoid(beta * d) + ls * F.logsigmoid(-beta * d)) / (1 - 2 * ls)
+    if loss_type == "exo_pair":
+        eps = torch.tensor(ls, dtype=d.dtype)
+        qw, ql = torch.sigmoid(beta * d), torch.sigmoid(-beta * d)
+        return qw * (F.logsigmoid(beta * d) - torch.log1p(-eps)) + ql * (F.logsigmoid(-beta * d) - torch.log(eps))
+    if loss_type == "nca_pair":
+        return -F.logsigmoid(beta * cr) - 0.5 * F.logsigmoid(-beta * cr) - 0.5 * F.logsigmoid(-beta * rr)
+    if loss_type == "bco_pair":
+        return -F.logsigmoid(beta * cr) - F.logsigmoid(-beta * rr)
+    if loss_type == "sppo_hard":
+        return (cr - 0.5 / beta) ** 2 + (rr + 0.5 / beta) ** 2
+    if loss_type in ("aot", "aot_pair"):
+        if loss_type == "aot":
+            delta = torch.sort(c - r, dim=0)[0] - torch.sort(ref_c - ref_r, dim=0)[0]
+        else:
+            delta = torch.sort(cr, dim=0)[0] - torch.sort(rr, dim=0)[0]
+        return -F.logsigmoid(beta * delta) * (1 - ls) - F.logsigmoid(-beta * delta) * ls
+    if loss_type == "apo_zero":
+        return 1 - torch.sigmoid(beta * cr) + torch.sigmoid(beta * rr)
+    if loss_type == "apo_down":
+        return torch.sigmoid(beta * cr) + 1 - torch.sigmoid(beta * (cr - rr))
+    assert loss_type == "discopop"
+    z = d * beta
+    mix = torch.sigmoid(z / tau)
+    return -F.logsigmoid(z) * (1 - mix) + torch.exp(-z) * mix
+
+
+@pytest.mark.parametrize("loss_type", ["robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "aot", "aot_pair",
+                                       "apo_zero", "apo_down", "discopop"])
+@pytest.mark.parametrize("reference", ["precomputed", "model"])
+@pytest.mark.parametrize("chunk_pairs", [1, 2])
+def test_dpo_trl_loss_types(loss_type, reference, chunk_pairs):
+    """TRL 1.16's further DPO loss types; the aot ones sort over the whole batch, also when the
+    batch is walked in chunks."""
+    x, w, b, target = make(*SHAPE, bias=True)
+    pairs, beta, ls, tau = SHAPE[0], 0.2, 0.05 if loss_type in ("robust", "exo_pair", "aot", "aot_pair") else 0.0, 0.1
+    if reference == "precomputed":
+        ref_c, ref_r = randn((pairs,), torch.float32) - 5, randn((pairs,), torch.float32) - 5
+        kw = dict(ref_chosen_logps=ref_c, ref_rejected_logps=ref_r)
+    else:
+        ref_x, ref_w = randn(tuple(x.shape), torch.float32), randn(tuple(w.shape), torch.float32, scale=0.3)
+        kw = dict(ref_x=ref_x, ref_weight=ref_w)
+        with torch.no_grad():
+            lp, _, _ = ref_logps(ref_x.double(), ref_w.double(), None, target, False)
+        ref_c, ref_r = lp[:pairs], lp[pairs:]
+
+    def reference_loss(x, w, b):
+        logps, _, _ = ref_logps(x, w, b, target, False)
+        return trl_pair_losses(logps[:pairs], logps[pairs:], ref_c.to(x.dtype), ref_r.to(x.dtype), loss_type, beta,
+                               ls, tau).mean()
+
+    run(lambda x, w, b: dpo_loss(x, w, target, b, beta=beta, loss_type=loss_type, label_smoothing=ls,
+                                 discopop_tau=tau, chunk_pairs=chunk_pairs, **kw),
+        reference_loss, x, w, b, f"dpo[{loss_type}, {reference}, chunks of {chunk_pairs}]")
+    loss, metrics = dpo_loss(x, w, target, b, beta=beta, loss_type=loss_type, label_smoothing=ls, discopop_tau=tau,
+                             chunk_pairs=chunk_pairs, compute_nll_loss=True, **kw)
+    with torch.no_grad():
+        want = reference_loss(x.double(), w.double(), b.double()) + ref_nll(x.double(), w.double(), b.double(), target)
+    assert abs(loss.item() - want.item()) < 1e-4 * max(1.0, abs(want.item())), (loss.item(), want.item())
+    assert metrics["chosen_logps"].shape == (pairs,)
+
+
 def test_dpo_with_nll_and_metrics():
     x, w, b, target = make(*SHAPE, bias=True)
     pairs = SHAPE[0]
@@ -163,6 +231,12 @@ def test_bad_inputs_are_clear_errors():
         dpo_loss(x, w, target[:, :-1])
     with pytest.raises(ValueError, match="loss_type"):
         dpo_loss(x, w, target, loss_type="kto")
+    with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 0.5\) \(exo_pair"):
+        dpo_loss(x, w, target, loss_type="exo_pair")  # log(0): an infinite loss otherwise
+    with pytest.raises(ValueError, match="label_smoothing must be"):
+        dpo_loss(x, w, target, loss_type="robust", label_smoothing=0.5)  # divides by 1 - 2 ls
+    with pytest.raises(ValueError, match="discopop_tau must be > 0"):
+        dpo_loss(x, w, target, loss_type="discopop", discopop_tau=0.0)
     for bad in (0, -1, 1.5):  # were clamped to 1 (or truncated) without a word
         with pytest.raises(ValueError, match=f"chunk_pairs must be a positive int, got {bad}"):
             dpo_loss(x, w, target, chunk_pairs=bad)

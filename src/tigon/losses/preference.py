@@ -8,6 +8,8 @@ logit, and the NLL term when one is added.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,25 +17,63 @@ from torch import nn
 from tigon.functional import linear_token_logps
 from tigon.losses.base import contiguous_chunks, head_logits, plain_numbers, run_chunked, token_logps
 
-DPO_TYPES = ("sigmoid", "ipo", "hinge")
+DPO_TYPES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "aot", "aot_pair",
+             "aot_unpaired", "apo_zero", "apo_down", "discopop")
+# Losses of the whole batch's log-ratios at once (sorted over pairs): see _run's two passes.
+BATCH_COUPLED_DPO_TYPES = ("aot", "aot_pair", "aot_unpaired")
 
 
 # The pair losses take their options by keyword, without defaults (each loss passes them all): a
 # float default read inside a checkpoint region trips dynamo with dynamic shapes (see plain_numbers).
 
 
-def dpo_pair_loss(chosen, rejected, ref_chosen, ref_rejected, *, beta, loss_type, label_smoothing):
+def dpo_pair_loss(chosen, rejected, ref_chosen, ref_rejected, *, beta, loss_type, label_smoothing, discopop_tau):
+    """Per-pair DPO losses [n] of TRL 1.16's DPOTrainer (``label_smoothing`` also smooths
+    "sigmoid", the conservative DPO of earlier TRL; 0 is TRL 1.16's). "aot_pair" is TRL 1.16's
+    "aot_unpaired" (its earlier name); the aot types sort over the pairs given."""
     ref_c = ref_chosen if ref_chosen is not None else torch.zeros_like(chosen)  # reference-free: log-probs 0
     ref_r = ref_rejected if ref_rejected is not None else torch.zeros_like(rejected)
-    margin = (chosen - ref_c) - (rejected - ref_r)
+    chosen_ratio, rejected_ratio = chosen - ref_c, rejected - ref_r
+    margin = chosen_ratio - rejected_ratio
+    ls = label_smoothing
+
+    def smoothed(z):
+        return -F.logsigmoid(z) * (1 - ls) - F.logsigmoid(-z) * ls
+
     if loss_type == "sigmoid":
-        losses = -F.logsigmoid(beta * margin) * (1 - label_smoothing) - F.logsigmoid(-beta * margin) * label_smoothing
-    elif loss_type == "ipo":
+        losses = smoothed(beta * margin)
+    elif loss_type == "ipo":  # on length-averaged log-probs (dpo_loss averages them for ipo)
         losses = (margin - 1 / (2 * beta)) ** 2
-    else:  # hinge
+    elif loss_type == "hinge":
         losses = torch.relu(1 - beta * margin)
-    return losses, dict(chosen_rewards=(beta * (chosen - ref_c)).detach(),
-                        rejected_rewards=(beta * (rejected - ref_r)).detach())
+    elif loss_type == "robust":
+        losses = (-(1 - ls) * F.logsigmoid(beta * margin) + ls * F.logsigmoid(-beta * margin)) / (1 - 2 * ls)
+    elif loss_type == "exo_pair":
+        z = beta * margin
+        losses = (torch.sigmoid(z) * (F.logsigmoid(z) - math.log1p(-ls))
+                  + torch.sigmoid(-z) * (F.logsigmoid(-z) - math.log(ls)))
+    elif loss_type == "nca_pair":
+        zc, zr = beta * chosen_ratio, beta * rejected_ratio
+        losses = -F.logsigmoid(zc) - 0.5 * F.logsigmoid(-zc) - 0.5 * F.logsigmoid(-zr)
+    elif loss_type == "bco_pair":
+        losses = -F.logsigmoid(beta * chosen_ratio) - F.logsigmoid(-beta * rejected_ratio)
+    elif loss_type == "sppo_hard":
+        losses = (chosen_ratio - 0.5 / beta) ** 2 + (rejected_ratio + 0.5 / beta) ** 2
+    elif loss_type == "aot":
+        delta = torch.sort(chosen - rejected, dim=0)[0] - torch.sort(ref_c - ref_r, dim=0)[0]
+        losses = smoothed(beta * delta)
+    elif loss_type in ("aot_pair", "aot_unpaired"):
+        delta = torch.sort(chosen_ratio, dim=0)[0] - torch.sort(rejected_ratio, dim=0)[0]
+        losses = smoothed(beta * delta)
+    elif loss_type == "apo_zero":
+        losses = 1 - torch.sigmoid(beta * chosen_ratio) + torch.sigmoid(beta * rejected_ratio)
+    elif loss_type == "apo_down":
+        losses = torch.sigmoid(beta * chosen_ratio) + 1 - torch.sigmoid(beta * margin)
+    else:  # discopop
+        z = beta * margin
+        mix = torch.sigmoid(z / discopop_tau)
+        losses = -F.logsigmoid(z) * (1 - mix) + torch.exp(-z) * mix
+    return losses, dict(chosen_rewards=(beta * chosen_ratio).detach(), rejected_rewards=(beta * rejected_ratio).detach())
 
 
 def orpo_pair_loss(chosen, rejected, _ref_c, _ref_r, *, beta):
@@ -121,19 +161,43 @@ def check_nll_target(nll_target, target, nll_weight):
 
 def _run(pair_loss, options, x, weight, target, bias, ref_x=None, ref_weight=None, ref_bias=None,
          ref_chosen_logps=None, ref_rejected_logps=None, ignore_index=-100, average_log_prob=False, nll_weight=0.0,
-         chunk_pairs=1, compiled=False, nll_target=None):
+         chunk_pairs=1, compiled=False, nll_target=None, coupled=False):
+    """The pair losses on the chunked base. ``coupled``: the pair loss reads the whole batch at
+    once (sorts over pairs), so the sequences' log-probs are formed first without gradient, the
+    loss and its gradient with respect to them taken over the batch, and the chunked pass then
+    differentiates sum(gradient * log-probs) (exact, for one more pass of the head); traced by
+    torch.compile, the batch is one chunk instead."""
     check_preference_args(x, weight, target, bias, ref_x, ref_weight, ref_chosen_logps, ref_rejected_logps)
     check_nll_target(nll_target, target, nll_weight)
     options, nll_weight = plain_numbers(options), float(nll_weight)
     pairs = x.shape[0] // 2
+    if coupled and torch.compiler.is_compiling():
+        chunk_pairs, coupled = pairs, False
     nll_source = target if nll_target is None else nll_target
     chosen_tokens = (nll_source[:pairs] != ignore_index).sum().clamp_min(1)
     per_side_logits = pairs * x.shape[1] * weight.shape[0]
     ref_logps = None if ref_chosen_logps is None else torch.cat((ref_chosen_logps, ref_rejected_logps)).float()
     colsum, bias_sum = head_sums(weight, bias)
     fused = not compiled
+    rows = [torch.cat((c, c + pairs)) for c in contiguous_chunks(pairs, chunk_pairs, x.device, "chunk_pairs")]
+    pair_grad = coupled_loss = None
+    if coupled:
+        with torch.no_grad():
+            seq_logps = torch.empty(2 * pairs, dtype=torch.float32, device=x.device)
+            ref_all = ref_logps if ref_x is None else torch.empty_like(seq_logps)
+            for r in rows:
+                seq_logps[r], _ = sequence_logps(x[r], weight, bias, target[r], ignore_index, average_log_prob, fused)
+                if ref_x is not None:
+                    ref_all[r], _ = sequence_logps(ref_x[r], ref_weight, ref_bias, target[r], ignore_index,
+                                                   average_log_prob, fused)
+        leaf = seq_logps.requires_grad_()
+        with torch.enable_grad():
+            ref_c, ref_r = (None, None) if ref_all is None else (ref_all[:pairs], ref_all[pairs:])
+            losses, _ = pair_loss(leaf[:pairs], leaf[pairs:], ref_c, ref_r, **options)
+            coupled_loss = losses.sum() / pairs
+            (pair_grad,) = torch.autograd.grad(coupled_loss, leaf)
 
-    def chunk_fn(xc, tc, ref_xc, ref_lp, nll_tc, w, b, ref_w, ref_b):
+    def chunk_fn(xc, tc, ref_xc, ref_lp, nll_tc, g, w, b, ref_w, ref_b):
         n = xc.shape[0] // 2
         logps, lp = sequence_logps(xc, w, b, tc, ignore_index, average_log_prob, fused)
         sums = logit_sums(xc, colsum, bias_sum)
@@ -142,7 +206,8 @@ def _run(pair_loss, options, x, weight, target, bias, ref_x=None, ref_weight=Non
                 ref_lp, _ = sequence_logps(ref_xc, ref_w, ref_b, tc, ignore_index, average_log_prob, fused)
         ref_c, ref_r = (None, None) if ref_lp is None else (ref_lp[:n], ref_lp[n:])
         losses, metrics = pair_loss(logps[:n], logps[n:], ref_c, ref_r, **options)
-        loss = losses.sum() / pairs
+        # coupled: the batch's loss gradient on these log-probs, as a linear surrogate
+        loss = (g * logps).sum() if g is not None else losses.sum() / pairs
         metrics = dict(metrics, chosen_logps=logps[:n], rejected_logps=logps[n:],
                        chosen_logits_mean=sums[:n].sum() / per_side_logits,
                        rejected_logits_mean=sums[n:].sum() / per_side_logits)
@@ -154,23 +219,34 @@ def _run(pair_loss, options, x, weight, target, bias, ref_x=None, ref_weight=Non
             metrics["nll_loss"] = nll
         return loss, metrics
 
-    rows = [torch.cat((c, c + pairs)) for c in contiguous_chunks(pairs, chunk_pairs, x.device, "chunk_pairs")]
     detach = (lambda t: t.detach() if t is not None else None)
-    return run_chunked(chunk_fn, [x, target, detach(ref_x), ref_logps, nll_target],
-                       [weight, bias, detach(ref_weight), detach(ref_bias)], rows, compiled)
+    loss, metrics = run_chunked(chunk_fn, [x, target, detach(ref_x), ref_logps, nll_target, pair_grad],
+                                [weight, bias, detach(ref_weight), detach(ref_bias)], rows, compiled)
+    if coupled:  # the surrogate's value replaced by the loss's, its gradient kept
+        loss = loss - loss.detach() + coupled_loss.detach() + metrics.get("nll_loss", 0.0) * nll_weight
+    return loss, metrics
 
 
-def dpo_loss(x, weight, target, bias=None, *, beta=0.1, loss_type="sigmoid", label_smoothing=0.0, ref_x=None,
-             ref_weight=None, ref_bias=None, ref_chosen_logps=None, ref_rejected_logps=None, ignore_index=-100,
-             average_log_prob=False, compute_nll_loss=False, chunk_pairs=1, compiled=False):
-    """DPO (loss_type "sigmoid", "ipo" or "hinge"). The reference comes from ref_x / ref_weight
-    (the reference model's last hidden states and head), or precomputed ref_*_logps; with
-    neither, it is reference-free. compute_nll_loss adds the chosen tokens' NLL (RPO)."""
+def dpo_loss(x, weight, target, bias=None, *, beta=0.1, loss_type="sigmoid", label_smoothing=0.0, discopop_tau=0.05,
+             ref_x=None, ref_weight=None, ref_bias=None, ref_chosen_logps=None, ref_rejected_logps=None,
+             ignore_index=-100, average_log_prob=False, compute_nll_loss=False, chunk_pairs=1, compiled=False):
+    """DPO with TRL 1.16's loss types (DPO_TYPES; see dpo_pair_loss). The reference comes from
+    ref_x / ref_weight (the reference model's last hidden states and head), or precomputed
+    ref_*_logps; with neither, it is reference-free. compute_nll_loss adds the chosen tokens'
+    NLL (RPO). ipo averages the log-probs over each sequence's tokens (as TRL normalises it);
+    the aot types sort over the whole batch (one more pass of the head: see _run)."""
     if loss_type not in DPO_TYPES:
         raise ValueError(f"loss_type must be one of {DPO_TYPES}, got {loss_type!r}")
-    return _run(dpo_pair_loss, dict(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing), x, weight,
+    if not 0 <= label_smoothing < 0.5 or (loss_type == "exo_pair" and not 0 < label_smoothing):
+        raise ValueError(f"label_smoothing must be in [0, 0.5) (exo_pair: in (0, 0.5), e.g. 1e-3), got "
+                         f"{label_smoothing!r}")
+    if not discopop_tau > 0:
+        raise ValueError(f"discopop_tau must be > 0, got {discopop_tau!r}")
+    return _run(dpo_pair_loss, dict(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing,
+                                    discopop_tau=discopop_tau), x, weight,
                 target, bias, ref_x, ref_weight, ref_bias, ref_chosen_logps, ref_rejected_logps, ignore_index,
-                average_log_prob or loss_type == "ipo", 1.0 if compute_nll_loss else 0.0, chunk_pairs, compiled)
+                average_log_prob or loss_type == "ipo", 1.0 if compute_nll_loss else 0.0, chunk_pairs, compiled,
+                coupled=loss_type in BATCH_COUPLED_DPO_TYPES)
 
 
 def orpo_loss(x, weight, target, bias=None, *, beta=0.1, ignore_index=-100, compute_nll_loss=True, chunk_pairs=1,
