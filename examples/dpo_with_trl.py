@@ -16,14 +16,18 @@ import torch
 from trl import DPOConfig, DPOTrainer
 
 from tigon.losses import dpo_loss
+from tigon.losses.preference import DPO_TYPES
 
 
 class TigonDPOTrainer(DPOTrainer):
-    """DPOTrainer whose loss is tigon's chunked DPO (loss types sigmoid / ipo / hinge)."""
+    """DPOTrainer whose loss is tigon's chunked DPO (one loss type of tigon's DPO_TYPES, TRL's
+    "aot_unpaired" as tigon's "aot_pair"; TRL's own loss for the rest)."""
 
     def _compute_loss(self, model, inputs, return_outputs):
         loss_type = self.loss_types[0] if len(self.loss_types) == 1 else None
-        if loss_type not in ("sigmoid", "ipo", "hinge") or self.f_divergence_type != "reverse_kl" or self.ld_alpha:
+        loss_type = "aot_pair" if loss_type == "aot_unpaired" else loss_type
+        if loss_type not in DPO_TYPES or self.f_divergence_type != "reverse_kl" or self.ld_alpha \
+                or self.use_weighting or (loss_type == "exo_pair" and not self.label_smoothing):
             return super()._compute_loss(model, inputs, return_outputs)
         ids, attention = inputs["input_ids"], inputs["attention_mask"]
         # Next-token targets over the completion; the last position predicts nothing.
@@ -39,8 +43,11 @@ class TigonDPOTrainer(DPOTrainer):
                 ref_hidden = ref_model.get_decoder()(input_ids=ids, attention_mask=attention,
                                                      use_cache=False).last_hidden_state
             reference = dict(ref_x=ref_hidden[:, :-1], ref_weight=ref_model.get_output_embeddings().weight)
+        # TRL 1.16's sigmoid has no label smoothing; its robust, exo_pair and aot types do.
+        smoothing = 0.0 if loss_type == "sigmoid" else self.label_smoothing
         loss, metrics = dpo_loss(hidden[:, :-1], unwrapped.get_output_embeddings().weight, target, beta=self.beta,
-                                 loss_type=loss_type, **reference)
+                                 loss_type=loss_type, label_smoothing=smoothing,
+                                 discopop_tau=self.args.discopop_tau, **reference)
         mode = "train" if model.training else "eval"
         chosen, rejected = metrics["chosen_rewards"], metrics["rejected_rewards"]
         for name, value in (("rewards/chosen", chosen.mean()), ("rewards/rejected", rejected.mean()),

@@ -34,7 +34,7 @@ from torch import nn
 
 from tigon.functional import linear_token_logps
 from tigon.losses.base import contiguous_chunks, head_logits, plain_numbers, run_chunked, token_logps
-from tigon.ops._common import chunk_budget_bytes, traced
+from tigon.ops._common import chunk_budget_bytes, matmul_dtype, traced
 from tigon.ops.fused_linear_cross_entropy import chunk_rows_for_budget
 
 GRPO_LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo", "cispo", "sapo", "gspo")
@@ -63,6 +63,16 @@ def completion_token_logps(x, weight, bias, target, temperature, fused, need_ent
             logp = torch.log_softmax(logits, -1)
             entropy = -(logp.exp() * logp).sum(-1)
     return lp, entropy
+
+
+def under_autocast(*tensors):
+    """The tensors in autocast's dtype when autocast is on (the head's matmuls then run in it, as
+    F.linear's would), else as given; None stays None. Cast once per call, not per chunk."""
+    first = next(t for t in tensors if t is not None)
+    if not torch.is_autocast_enabled(first.device.type):
+        return tensors
+    dtype = matmul_dtype(first)
+    return tuple(None if t is None else t.to(dtype) for t in tensors)
 
 
 def check_policy_args(x, weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps,
@@ -213,9 +223,12 @@ def grpo_loss(x, weight, selected_token_ids, attention_mask, advantages, bias=No
     max_len = opts.pop("max_completion_length")
     use_kl = opts["beta"] != 0.0
 
+    x, weight, bias = under_autocast(x, weight, bias)
+    if ref_x is not None:
+        ref_x, ref_weight, ref_bias = under_autocast(ref_x, ref_weight, ref_bias)
     m = attention_mask.to(torch.float32)
     target = torch.where(attention_mask != 0, selected_token_ids, IGNORE)
-    adv = advantages.to(torch.float32)
+    adv = advantages.detach().to(torch.float32)
     adv = adv.unsqueeze(-1) if adv.ndim == 1 else adv
     tokens = m.sum().clamp_min(1.0)
     if loss_type in ("grpo", "sapo"):  # each sequence's weight: 1 / (B * its token count)
@@ -303,6 +316,7 @@ def per_token_logps(x, weight, selected_token_ids, attention_mask=None, bias=Non
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
     B, T = x.shape[:2]
+    x, weight, bias = under_autocast(x, weight, bias)
     target = selected_token_ids if attention_mask is None else torch.where(attention_mask != 0, selected_token_ids,
                                                                            IGNORE)
     if chunk_sequences is None:
