@@ -307,3 +307,18 @@ def test_nan_advantages_and_bad_arguments_raise():
         grpo_loss(x, w, ids.float(), mask, adv, b, ref_per_token_logps=ref)
     with pytest.raises(ValueError, match="x must be"):
         grpo_loss(x[0], w, ids, mask, adv, b, ref_per_token_logps=ref)
+
+
+def test_grpo_under_autocast_runs_the_head_in_autocast_dtype():
+    """Under autocast (bf16), the head's matmuls run in bf16 as F.linear's would: the loss equals
+    grpo_loss on bf16 copies, and the fp32 leaves get fp32 gradients."""
+    x, w, b, ids, mask, adv, old, ref = make(*SHAPE)
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        loss, _ = grpo_loss(x, w, ids, mask, adv, b, ref_per_token_logps=ref, old_per_token_logps=old)
+    grads = torch.autograd.grad(loss, [x, w, b])
+    assert all(g.dtype == torch.float32 for g in grads)
+    low = [t.detach().bfloat16().requires_grad_() for t in (x, w, b)]
+    want, _ = grpo_loss(*low[:2], ids, mask, adv, low[2], ref_per_token_logps=ref, old_per_token_logps=old)
+    assert rel_err(loss, want) < 1e-6
+    fp32, _ = grpo_loss(x, w, ids, mask, adv, b, ref_per_token_logps=ref, old_per_token_logps=old)
+    assert rel_err(loss, fp32) > 1e-6  # the autocast run really was in bf16
