@@ -3,7 +3,8 @@
 # folder of the same name under $OUT, as committed there.
 # Usage (device machine, repo root; carry .whl with liger-kernel and cut-cross-entropy):
 #   OUT=/some/dir bash scripts/gpu_proof.sh quick|demo|ops-a|ops-b|losses|train|sweep|host|shapes|
-#                                            compile-check|compile-profile|launch-check|compile-qwen|compile-llama|
+#                                            compile-check|compile-profile|compile-llama-ab|launch-check|
+#                                            compile-qwen|compile-llama|
 #                                            torchtune|tests
 #   (several: one after the other; one device call runs 10 minutes at most, so ops-a and ops-b
 #   are separate calls). Merge the op halves afterwards (no GPU):
@@ -81,6 +82,21 @@ case "$part" in
     timeout ${PROFILE_TIMEOUT:-300} python3 benchmarks/tuning/profile_step.py --shape qwen2.5-0.5b --batch 16 --seq 512 \
       --impls tigon+compile,tigon --op-host-time --no-torch-profile 2>&1 | grep -v -i "warn\|backend impl" \
       | tee "$OUT/compile/profile_op_host_time_batch16.log" || status=1
+    ;;
+  compile-llama-ab)  # the compiled Llama-3.2-1B step at batch 64 (5-7% slower since the triton_ops and
+    # the 512 MiB MLP slices, unprofiled): kernel time and top kernels with the triton_ops off / on
+    # and the MLP slice budget 128 / 512 MiB, and eager tigon for reference
+    mkdir -p "$OUT/compile"
+    for ops in 1 0; do
+      for mib in 512 128; do
+        TIGON_TRITON_OPS=$ops timeout ${PROFILE_TIMEOUT:-170} python3 benchmarks/tuning/profile_step.py --shape llama-1b \
+          --batch 64 --seq 512 --impls tigon+compile --mlp-slice-budget-mib $mib 2>&1 | grep -v -i "warn\|backend impl" \
+          | sed "s/^/TIGON_TRITON_OPS=$ops slices=${mib}MiB /" | tee -a "$OUT/compile/profile_llama_batch64_ab.log" || status=1
+      done
+    done
+    timeout ${PROFILE_TIMEOUT:-170} python3 benchmarks/tuning/profile_step.py --shape llama-1b --batch 64 --seq 512 \
+      --impls tigon 2>&1 | grep -v -i "warn\|backend impl" | sed "s/^/eager /" \
+      | tee -a "$OUT/compile/profile_llama_batch64_ab.log" || status=1
     ;;
   launch-check)  # host cost per call before/after (scratch/baseline/src: an older commit, when carried)
     # and the cached launcher's end-to-end effect (TIGON_FAST_LAUNCH=0 / 1)
