@@ -32,10 +32,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tigon.ops._common import capturing, traced
+from tigon.ops._common import capturing, chunk_budget_bytes, traced
 from tigon.ops._internals import graph_retained
+from tigon.ops.fused_linear_cross_entropy import chunk_rows_for_budget
 
 
 def token_logps(logits, target, ignore_index):
@@ -215,3 +217,29 @@ def contiguous_chunks(n_rows, rows_per_chunk, device, name="chunk_rows"):
     """Row indices [rows_per_chunk] of consecutive chunks of n_rows rows."""
     step = check_chunk_size(name, rows_per_chunk)
     return [torch.arange(s, min(s + step, n_rows), device=device) for s in range(0, n_rows, step)]
+
+
+def rows_per_chunk(chunk_rows, chunk_budget, n_rows, vocab, bytes_per_logit, name="chunk_rows"):
+    """chunk_rows if given (a positive int, named ``name`` in errors), else as many rows as fit
+    chunk_budget bytes at bytes_per_logit a logit and ``vocab`` logits a row, evened out over the
+    chunks (as fused linear cross entropy's)."""
+    if chunk_rows is not None:
+        return check_chunk_size(name, chunk_rows)
+    return chunk_rows_for_budget(n_rows, vocab, bytes_per_logit, chunk_budget_bytes(chunk_budget))
+
+
+class LossModule(nn.Module):
+    """A chunked loss as a module: ``fn`` called with the options given at construction; a
+    keyword at the call overrides them. Subclasses whose inputs differ override forward."""
+
+    fn = None
+
+    def __init__(self, **options):
+        super().__init__()
+        self.options = options
+
+    def forward(self, x, weight, target, bias=None, **kwargs):
+        return type(self).fn(x, weight, target, bias, **{**self.options, **kwargs})
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.items())

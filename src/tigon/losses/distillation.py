@@ -24,9 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tigon.functional import jsd, linear_jsd
-from tigon.losses.base import check_chunk_size, contiguous_chunks, head_logits, run_chunked
+from tigon.losses.base import contiguous_chunks, head_logits, rows_per_chunk, run_chunked
 from tigon.ops._common import chunk_budget_bytes
-from tigon.ops.fused_linear_cross_entropy import chunk_rows_for_budget
 from tigon.ops.jsd import check_jsd_options
 
 TORCH_BYTES_PER_LOGIT = 6 * 4  # torch's generalised JSD holds about six fp32 [rows, V] temporaries
@@ -42,14 +41,6 @@ def generalized_jsd(student_logits, teacher_logits, beta, temperature):
         return (s.exp() * (s - t)).sum(-1)
     m = torch.logsumexp(torch.stack((s + math.log(1 - beta), t + math.log(beta))), dim=0)
     return beta * (t.exp() * (t - m)).sum(-1) + (1 - beta) * (s.exp() * (s - m)).sum(-1)
-
-
-def rows_per_chunk(chunk_rows, chunk_budget, n_rows, vocab, bytes_per_logit):
-    """chunk_rows if given (a positive int), else as many rows as fit chunk_budget bytes at
-    bytes_per_logit a logit, evened out over the chunks (as fused linear cross entropy's)."""
-    if chunk_rows is not None:
-        return check_chunk_size("chunk_rows", chunk_rows)
-    return chunk_rows_for_budget(n_rows, vocab, bytes_per_logit, chunk_budget_bytes(chunk_budget))
 
 
 def fused_linear_jsd(student_x, student_weight, teacher_x, teacher_weight, target=None, student_bias=None,

@@ -30,12 +30,18 @@ grpo, sapo, bnpo and dr_grpo losses by the gradient-accumulation steps: the call
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from tigon.functional import linear_token_logps
-from tigon.losses.base import contiguous_chunks, head_logits, plain_numbers, run_chunked, token_logps
-from tigon.ops._common import chunk_budget_bytes, matmul_dtype, traced
-from tigon.ops.fused_linear_cross_entropy import chunk_rows_for_budget
+from tigon.losses.base import (
+    LossModule,
+    contiguous_chunks,
+    head_logits,
+    plain_numbers,
+    rows_per_chunk,
+    run_chunked,
+    token_logps,
+)
+from tigon.ops._common import matmul_dtype, traced
 
 GRPO_LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo", "cispo", "sapo", "gspo")
 CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -82,6 +88,17 @@ def under_autocast(*tensors):
         return tensors
     dtype = matmul_dtype(first)
     return tuple(None if t is None else t.to(dtype) for t in tensors)
+
+
+def check_number(name, value, *, positive):
+    """A real number (not a bool), > 0 with ``positive``, else >= 0; a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 if positive else value >= 0):
+        raise ValueError(f"{name} must be a number {'>' if positive else '>='} 0, got {value!r}")
+
+
+def completion_targets(selected_token_ids, attention_mask):
+    """The sampled tokens as the log-prob kernels' targets: IGNORE where attention_mask is 0."""
+    return torch.where(attention_mask != 0, selected_token_ids, IGNORE)
 
 
 def check_policy_args(x, weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps,
@@ -142,14 +159,12 @@ def _policy_options(loss_type, importance_sampling_level, beta, epsilon_low, eps
         raise ValueError("loss_type='gspo' is sequence-level importance sampling: importance_sampling_level "
                          f"must be 'sequence' or None, got {importance_sampling_level!r}")
     for name, v in (("beta", beta), ("epsilon_low", epsilon_low), ("epsilon_high", epsilon_high)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-            raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+        check_number(name, v, positive=False)
     for name, v in (("temperature", temperature), ("sapo_temperature_pos", sapo_temperature_pos),
                     ("sapo_temperature_neg", sapo_temperature_neg)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            raise ValueError(f"{name} must be a number > 0, got {v!r}")
-    if delta is not None and (isinstance(delta, bool) or not isinstance(delta, (int, float)) or not delta > 0):
-        raise ValueError(f"delta (the two-sided clip's upper bound) must be a number > 0 or None, got {delta!r}")
+        check_number(name, v, positive=True)
+    if delta is not None:
+        check_number("delta (the two-sided clip's upper bound, or None)", delta, positive=True)
     if max_completion_length is None:
         max_completion_length = T
     if isinstance(max_completion_length, bool) or not isinstance(max_completion_length, int) \
@@ -236,7 +251,7 @@ def grpo_loss(x, weight, selected_token_ids, attention_mask, advantages, bias=No
     if ref_x is not None:
         ref_x, ref_weight, ref_bias = under_autocast(ref_x, ref_weight, ref_bias)
     m = attention_mask.to(torch.float32)
-    target = torch.where(attention_mask != 0, selected_token_ids, IGNORE)
+    target = completion_targets(selected_token_ids, attention_mask)
     adv = advantages.detach().to(torch.float32)
     adv = adv.unsqueeze(-1) if adv.ndim == 1 else adv
     tokens = m.sum().clamp_min(1.0)
@@ -251,9 +266,8 @@ def grpo_loss(x, weight, selected_token_ids, attention_mask, advantages, bias=No
             torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=x.device).clamp_min(1.0)
         row_scale = (1.0 / items).expand(B, 1)
     fused = not compiled
-    per_logit = x.element_size() if fused else TORCH_BYTES_PER_LOGIT
-    if chunk_sequences is None:
-        chunk_sequences = chunk_rows_for_budget(B, T * weight.shape[0], per_logit, chunk_budget_bytes(chunk_budget))
+    chunk_sequences = rows_per_chunk(chunk_sequences, chunk_budget, B, T * weight.shape[0],
+                                     x.element_size() if fused else TORCH_BYTES_PER_LOGIT, "chunk_sequences")
     as_float = (lambda t: None if t is None else t.detach().float())
     detach = (lambda t: None if t is None else t.detach())
 
@@ -322,15 +336,12 @@ def per_token_logps(x, weight, selected_token_ids, attention_mask=None, bias=Non
                          f"{tuple(selected_token_ids.shape)}")
     if attention_mask is not None and tuple(attention_mask.shape) != tuple(x.shape[:2]):
         raise ValueError(f"attention_mask must be {tuple(x.shape[:2])}, got {tuple(attention_mask.shape)}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+    check_number("temperature", temperature, positive=True)
     B, T = x.shape[:2]
     x, weight, bias = under_autocast(x, weight, bias)
-    target = selected_token_ids if attention_mask is None else torch.where(attention_mask != 0, selected_token_ids,
-                                                                           IGNORE)
-    if chunk_sequences is None:
-        chunk_sequences = chunk_rows_for_budget(B, T * weight.shape[0], x.element_size(),
-                                                chunk_budget_bytes(chunk_budget))
+    target = selected_token_ids if attention_mask is None else completion_targets(selected_token_ids, attention_mask)
+    chunk_sequences = rows_per_chunk(chunk_sequences, chunk_budget, B, T * weight.shape[0], x.element_size(),
+                                     "chunk_sequences")
     logps, entropies = [], []
     for rows in contiguous_chunks(B, chunk_sequences, x.device, "chunk_sequences"):
         lp, ent = completion_token_logps(x[rows], weight, bias, target[rows], float(temperature), True,
@@ -341,18 +352,13 @@ def per_token_logps(x, weight, selected_token_ids, attention_mask=None, bias=Non
     return (logps, torch.cat(entropies)) if compute_entropy else logps
 
 
-class TigonGRPOLoss(nn.Module):
+class TigonGRPOLoss(LossModule):
     """``loss, metrics = module(x, weight, selected_token_ids, attention_mask, advantages, bias=None,
     **per_call)``: grpo_loss with the options given at construction (beta, epsilon_low, loss_type,
     ...); a keyword at the call overrides them."""
 
-    def __init__(self, **options):
-        super().__init__()
-        self.options = options
+    fn = staticmethod(grpo_loss)
 
     def forward(self, x, weight, selected_token_ids, attention_mask, advantages, bias=None, **kwargs):
         return grpo_loss(x, weight, selected_token_ids, attention_mask, advantages, bias,
                          **{**self.options, **kwargs})
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.options.items())

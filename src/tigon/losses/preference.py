@@ -12,10 +12,9 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from tigon.functional import linear_token_logps
-from tigon.losses.base import contiguous_chunks, head_logits, plain_numbers, run_chunked, token_logps
+from tigon.losses.base import LossModule, contiguous_chunks, head_logits, plain_numbers, run_chunked, token_logps
 
 DPO_TYPES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "aot", "aot_pair",
              "aot_unpaired", "apo_zero", "apo_down", "discopop")
@@ -278,25 +277,11 @@ def simpo_loss(x, weight, target, bias=None, *, beta=2.0, gamma=0.5, label_smoot
                 compiled=compiled)
 
 
-class _PreferenceLoss(nn.Module):
-    fn = None
-
-    def __init__(self, **options):
-        super().__init__()
-        self.options = options
-
-    def forward(self, x, weight, target, bias=None, **kwargs):
-        return type(self).fn(x, weight, target, bias, **{**self.options, **kwargs})
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
-
-
-class TigonDPOLoss(_PreferenceLoss):
+class TigonDPOLoss(LossModule):
     fn = staticmethod(dpo_loss)
 
 
-class TigonORPOLoss(_PreferenceLoss):
+class TigonORPOLoss(LossModule):
     """``loss, metrics = module(x, weight, target, bias=None, nll_target=None)``; see orpo_loss."""
 
     fn = staticmethod(orpo_loss)
@@ -305,11 +290,11 @@ class TigonORPOLoss(_PreferenceLoss):
         return orpo_loss(x, weight, target, bias, **{**self.options, **kwargs, "nll_target": nll_target})
 
 
-class TigonCPOLoss(_PreferenceLoss):
+class TigonCPOLoss(LossModule):
     fn = staticmethod(cpo_loss)
 
 
-class TigonSimPOLoss(_PreferenceLoss):
+class TigonSimPOLoss(LossModule):
     fn = staticmethod(simpo_loss)
 
 
@@ -356,7 +341,7 @@ def kto_loss(x, weight, target, preference_labels, bias=None, *, beta=0.1, desir
                        contiguous_chunks(n, chunk_rows, x.device), compiled)
 
 
-class TigonKTOLoss(_PreferenceLoss):
+class TigonKTOLoss(LossModule):
     fn = staticmethod(kto_loss)
 
     def forward(self, x, weight, target, preference_labels, bias=None, **kwargs):
