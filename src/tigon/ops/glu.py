@@ -105,6 +105,10 @@ def glu_forward_kernel(
     ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """1-D grid over (row, column block) pairs; contiguous inputs arrive as a single row."""
+    # Inductor passes Python floats as fp64 scalars (Triton's own launch: fp32); fp64 would
+    # promote the whole block's math to fp64 (the activation's exp among it).
+    gate_multiplier = tl.cast(gate_multiplier, tl.float32)
+    out_multiplier = tl.cast(out_multiplier, tl.float32)
     pid = tl.program_id(0).to(tl.int64)
     row = pid // blocks_per_row
     cols = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
@@ -122,6 +126,8 @@ def glu_backward_kernel(
 ):
     """With g = gate_multiplier, s = out_multiplier: da = dc s b act'(a g) g, db = dc s act(a g).
     DA / DB may alias DC or a dead buffer."""
+    gate_multiplier = tl.cast(gate_multiplier, tl.float32)  # fp64 under Inductor: see glu_forward_kernel
+    out_multiplier = tl.cast(out_multiplier, tl.float32)
     pid = tl.program_id(0).to(tl.int64)
     row = pid // blocks_per_row
     cols = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)

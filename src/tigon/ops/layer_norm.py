@@ -37,6 +37,9 @@ def layer_norm_forward_kernel(
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # Inductor passes Python floats as fp64 scalars (Triton's own launch: fp32); fp64 would
+    # promote the whole block's math to fp64 (see rms_norm_forward_kernel).
+    eps = tl.cast(eps, tl.float32)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows

@@ -54,7 +54,8 @@ def check_casting(casting) -> None:
 @triton.jit
 def rms_norm_weight(W, cols, n_cols, offset, CASTING: tl.constexpr):
     """weight + offset [BLOCK_N] in fp32; rounded to the weight's dtype in casting "none"."""
-    w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
+    # tl.cast(offset, fp32): see rms_norm_forward_kernel.
+    w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + tl.cast(offset, tl.float32)
     if CASTING == 2:
         w = w.to(W.dtype.element_ty).to(tl.float32)
     return w
@@ -69,6 +70,9 @@ def rms_norm_forward_kernel(
 ):
     """BLOCK_M rows per program. With HAS_RESIDUAL, normalises s = x + r and stores s too.
     RSTD gets the rstd the output was formed with (fp32; in casting "none" a value of x's dtype)."""
+    # Inductor passes Python floats as fp64 scalars (Triton's own launch: fp32); fp64 would
+    # promote the whole block's math to fp64 (8x slower rms_norm backward on an H200).
+    eps = tl.cast(eps, tl.float32)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
