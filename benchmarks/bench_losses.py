@@ -6,8 +6,10 @@ Shapes: DPO / ORPO B pairs (2B sequences) x T tokens, hidden H, vocab V (a refer
 hidden states and head for DPO); JSD B x T tokens, student hidden H, teacher hidden H; GRPO
 (``--losses grpo``) B sequences x T completion tokens, hidden H, vocab --grpo-vocab (dapo, k3 KL
 to given reference log-probs, clip 0.2, old log-probs given), with ``torch+compile`` (the torch
-loss under torch.compile) and ``3 matmuls`` (the logits, dx and dW matmuls alone: the floor). Peak
-memory: max_memory_allocated during one forward+backward beyond what was allocated before
+loss under torch.compile), ``trl`` (TRL's fused LM head's log-probs, then TRL's loss math), ``3
+matmuls`` (the logits, dx and dW matmuls alone: the floor) and ``3 matmuls, tokens`` (the same
+over the completion tokens only: the floor of a head that skips the padding, as tigon's and
+TRL's do; a quarter of the positions are padding here). Peak memory: max_memory_allocated during one forward+backward beyond what was allocated before
 (inputs) and the returned gradients. Time: median of --reps CUDA-event timings after warm-up.
 """
 
@@ -61,15 +63,31 @@ def torch_grpo_logps(x, w, ids):
     return torch.gather((x @ w.t()).float().log_softmax(-1), -1, ids.unsqueeze(-1)).squeeze(-1)
 
 
-def torch_grpo(x, w, ids, mask, adv, old, ref, beta=0.04, eps=0.2):
-    """TRL's dapo loss over the full logits (what GRPOTrainer runs without Liger)."""
-    lp = torch_grpo_logps(x, w, ids)
+def grpo_from_logps(lp, mask, adv, old, ref, beta=0.04, eps=0.2):
+    """TRL's dapo loss given the policy's per-token log-probs lp [B, T] fp32."""
     coef_1 = torch.exp(lp - old)
     coef_2 = torch.clamp(coef_1, 1 - eps, 1 + eps)
     per_token = -torch.min(coef_1 * adv[:, None], coef_2 * adv[:, None])
     per_token = per_token + beta * (torch.exp(ref - lp) - (ref - lp) - 1)
     m = mask.float()
     return (per_token * m).sum() / m.sum().clamp(min=1.0)
+
+
+def torch_grpo(x, w, ids, mask, adv, old, ref):
+    """TRL's dapo loss over the full logits (what GRPOTrainer runs without a fused head)."""
+    return grpo_from_logps(torch_grpo_logps(x, w, ids), mask, adv, old, ref)
+
+
+def trl_grpo(x, w, ids, mask, adv, old, ref):
+    """TRL's dapo loss on the log-probs of TRL's own fused LM head (``add_fused_lm_head``'s
+    ChunkedLogProbFunction, as GRPOTrainer calls it: the completion tokens only, compacted)."""
+    from trl.kernels import ChunkedLogProbFunction
+    from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+    keep = mask.bool()
+    lp = ChunkedLogProbFunction.apply(x[keep], w, None, ids[keep], 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0,
+                                      ("log_probs",))[0]
+    return grpo_from_logps(lp.new_zeros(keep.shape).masked_scatter(keep, lp), mask, adv, old, ref)
 
 
 def three_matmuls(x, w, g):
@@ -142,6 +160,12 @@ def cases(args):
                  "torch": lambda: torch_grpo(gx, gw, ids, mask, adv, old, ref),
                  "torch+compile": lambda: compiled(gx, gw, ids, mask, adv, old, ref),
                  "3 matmuls": lambda: three_matmuls(gx, gw, g_logits)}
+        # The floor over the completion tokens only (what a head that skips padding must do)
+        keep = mask.bool()
+        n_keep = int(keep.sum())
+        impls["3 matmuls, tokens"] = lambda: three_matmuls(gx[keep], gw, g_logits[:n_keep])
+        if _trl_available():
+            impls["trl"] = lambda: trl_grpo(gx, gw, ids, mask, adv, old, ref)
         liger = _liger()
         if liger:
             mod_g = liger.LigerFusedLinearGRPOLoss(beta=0.04, use_ref_model=True, loss_type="dapo")
@@ -159,6 +183,15 @@ def _liger():
         return lc
     except Exception:
         return None
+
+
+def _trl_available():
+    try:
+        import trl.kernels  # noqa: F401
+
+        return True
+    except Exception:
+        return False
 
 
 def measure(fn, leaves, reps, on_gpu=True):
@@ -200,16 +233,33 @@ def measure(fn, leaves, reps, on_gpu=True):
     return dict(ms=sorted(times)[len(times) // 2], peak_extra_mb=peak, first_call_s=warm_s, loss=value)
 
 
+def print_profile(fn, leaves, top=12):
+    """One forward+backward of fn under torch.profiler: the GPU kernels with the most time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for t in leaves:
+            t.grad = None
+        loss = fn()
+        (loss[0] if isinstance(loss, tuple) else loss).backward()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=70), flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--losses", nargs="*", default=["dpo", "orpo", "jsd"])
-    p.add_argument("--impls", nargs="*", default=["tigon", "torch", "liger", "torch+compile", "3 matmuls"])
+    p.add_argument("--impls", nargs="*", default=["tigon", "torch", "liger", "trl", "torch+compile", "3 matmuls",
+                                                    "3 matmuls, tokens"])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--grpo-vocab", type=int, default=151936, help="GRPO's vocabulary (Qwen's, as the issue's shape)")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--profile", nargs="*", default=[], metavar="IMPL",
+                   help="after timing, one forward+backward of these implementations under torch.profiler: "
+                        "the top GPU kernels")
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of the script with tiny shapes")
     args = p.parse_args()
@@ -227,7 +277,9 @@ def main():
                 if on_gpu:
                     torch.cuda.empty_cache()
             rows.append(dict(case=name, impl=impl, **r))
-            print(f"{name:34s} {impl:6s} " + (f"{r['ms']:8.1f} ms  peak extra {r['peak_extra_mb']:8.0f} MB  "
+            if impl in args.profile and on_gpu and "ms" in r:
+                print_profile(fn, leaves)
+            print(f"{name:34s} {impl:17s} " + (f"{r['ms']:8.1f} ms  peak extra {r['peak_extra_mb']:8.0f} MB  "
                                                f"loss {r['loss']:.4f}  first call {r['first_call_s']:.1f} s"
                                                if "ms" in r else r["error"]), flush=True)
             if on_gpu:

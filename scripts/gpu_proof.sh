@@ -40,6 +40,11 @@ case "$part" in
     # tigon's DPO loss inside TRL's DPOTrainer (carry trl, datasets, dill, multiprocess in .whl)
     timeout 180 python3 examples/dpo_with_trl.py 2>&1 | grep -v -i warn | tail -20 \
       | tee "$OUT/losses/dpo_with_trl.log" || status=1
+    # tigon's GRPO loss inside TRL's GRPOTrainer, side by side with TRL's own (same weights, data, seed)
+    for run in "dapo" "dapo --fp32" "grpo --fp32" "cispo --fp32"; do
+      timeout 120 python3 examples/grpo_with_trl.py --loss-type $run 2>&1 | grep -v -i warn | tail -9 \
+        | tee -a "$OUT/losses/grpo_with_trl.log" || status=1
+    done
     ;;
   train)  # Llama-3.2-1B shape at batch 8 (HF, tigon, Liger), Qwen2.5-0.5B at batch 8 (HF, tigon)
     mkdir -p "$OUT/train"
@@ -84,19 +89,23 @@ case "$part" in
       | tee "$OUT/compile/profile_op_host_time_batch16.log" || status=1
     ;;
   compile-llama-ab)  # the compiled Llama-3.2-1B step at batch 64 (5-7% slower since the triton_ops and
-    # the 512 MiB MLP slices, unprofiled): kernel time and top kernels with the triton_ops off / on
-    # and the MLP slice budget 128 / 512 MiB, and eager tigon for reference
+    # the 512 MiB MLP slices, unprofiled): kernel time and top kernels per variant (AB: triton_ops
+    # on/off : MLP slice budget MiB : private APIs on/off, the last one the causal_mask patch), and
+    # eager tigon for reference (EAGER=0 skips it)
     mkdir -p "$OUT/compile"
-    for ops in 1 0; do
-      for mib in 512 128; do
-        TIGON_TRITON_OPS=$ops timeout ${PROFILE_TIMEOUT:-170} python3 benchmarks/tuning/profile_step.py --shape llama-1b \
-          --batch 64 --seq 512 --impls tigon+compile --mlp-slice-budget-mib $mib 2>&1 | grep -v -i "warn\|backend impl" \
-          | sed "s/^/TIGON_TRITON_OPS=$ops slices=${mib}MiB /" | tee -a "$OUT/compile/profile_llama_batch64_ab.log" || status=1
-      done
+    for variant in ${AB:-1:512:1 0:512:1 1:128:1 0:128:1}; do
+      IFS=: read -r ops mib private <<< "$variant"
+      TIGON_TRITON_OPS=$ops TIGON_PRIVATE_APIS=$private timeout ${PROFILE_TIMEOUT:-170} python3 \
+        benchmarks/tuning/profile_step.py --shape llama-1b --batch 64 --seq 512 --impls tigon+compile \
+        --mlp-slice-budget-mib $mib 2>&1 | grep -v -i "warn\|backend impl" \
+        | sed "s/^/TIGON_TRITON_OPS=$ops slices=${mib}MiB TIGON_PRIVATE_APIS=$private /" \
+        | tee -a "$OUT/compile/profile_llama_batch64_ab.log" || status=1
     done
-    timeout ${PROFILE_TIMEOUT:-170} python3 benchmarks/tuning/profile_step.py --shape llama-1b --batch 64 --seq 512 \
-      --impls tigon 2>&1 | grep -v -i "warn\|backend impl" | sed "s/^/eager /" \
-      | tee -a "$OUT/compile/profile_llama_batch64_ab.log" || status=1
+    if [ "${EAGER:-1}" = 1 ]; then
+      timeout ${PROFILE_TIMEOUT:-170} python3 benchmarks/tuning/profile_step.py --shape llama-1b --batch 64 --seq 512 \
+        --impls tigon 2>&1 | grep -v -i "warn\|backend impl" | sed "s/^/eager /" \
+        | tee -a "$OUT/compile/profile_llama_batch64_ab.log" || status=1
+    fi
     ;;
   launch-check)  # host cost per call before/after (scratch/baseline/src: an older commit, when carried)
     # and the cached launcher's end-to-end effect (TIGON_FAST_LAUNCH=0 / 1)

@@ -19,6 +19,6 @@ def test_loss_benchmark_implementations_agree(tmp_path, loss):
                     "--grpo-vocab", "101", "--reps", "1", "--out", str(tmp_path)], check=True, env=env,
                    capture_output=True, timeout=600)
     rows = json.load(open(tmp_path / "losses.json"))["rows"]
-    losses = {r["impl"]: r["loss"] for r in rows if r["impl"] != "3 matmuls"}
+    losses = {r["impl"]: r["loss"] for r in rows if not r["impl"].startswith("3 matmuls")}
     assert "error" not in str(rows) and {"tigon", "torch"} <= set(losses), rows
     assert max(losses.values()) - min(losses.values()) < 2e-2 * max(1.0, abs(losses["torch"])), losses

@@ -122,3 +122,38 @@ def test_linear_token_logps_bad_inputs():
         TF.linear_token_logps(x, w, target, bias=[0.0] * 10)
     with pytest.raises(TypeError, match="target"):
         TF.linear_token_logps(x, w, target.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_gradients_accumulate_in_the_matmul(dtype):
+    """Inside accumulate_head_grads, two chunks' backwards add the head's weight and bias
+    gradients into one accumulator each (autograd gets None for them: no [V, H] gradient per
+    chunk) and still return x's; the sums equal autograd's over both chunks. Another tensor
+    (not given to the block) keeps its plain gradient."""
+    from tigon.ops.linear_token_logps import accumulate_head_grads
+
+    n, h, v = 13, 16, 257
+    x = randn((2 * n, h), dtype, requires_grad=True)
+    w = randn((v, h), dtype, scale=0.5, requires_grad=True)
+    b = randn((v,), dtype, scale=0.5, requires_grad=True)
+    target = make_target(2 * n, v, "some")
+    scale = torch.randn(2 * n, device=DEVICE)
+    value = (TF.linear_token_logps(x, w, target, b) * scale).sum()
+    ref_x, ref_w, ref_b = torch.autograd.grad(value, (x, w, b))
+    with accumulate_head_grads(w, b) as acc:
+        dxs = []
+        for rows in (slice(0, n), slice(n, 2 * n)):
+            xc = x[rows].detach().requires_grad_()
+            chunk = (TF.linear_token_logps(xc, w, target[rows], b) * scale[rows]).sum()
+            dx, dw, db = torch.autograd.grad(chunk, (xc, w, b), allow_unused=True)
+            assert dw is None and db is None
+            dxs.append(dx)
+        assert acc.get(w).dtype == dtype and acc.get(b) is not None and acc.get(x) is None
+        w2 = w.detach().clone().requires_grad_()  # not in the block: its gradient comes back
+        (TF.linear_token_logps(x, w2, target, b.detach()) * scale).sum().backward()
+        assert w2.grad is not None
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(torch.cat(dxs), ref_x, rtol=tol, atol=tol)
+    torch.testing.assert_close(acc.get(w), ref_w, rtol=tol, atol=tol)
+    torch.testing.assert_close(acc.get(b), ref_b, rtol=tol, atol=tol)
+    torch.testing.assert_close(w2.grad, ref_w, rtol=tol, atol=tol)

@@ -11,7 +11,8 @@ and its gradients with respect to the differentiable inputs (``torch.autograd.gr
 chunk, whose inputs are fresh leaves; with ``compiled=True`` the chunk_fn runs under
 ``torch.compile`` with dynamic shapes). Row chunks are disjoint, so a chunked input's gradient
 is written once, in its own dtype; a shared input's gradient is summed over chunks in its
-dtype (fp32 for fp32 parameters; one rounding per chunk for bf16). The gradients are formed in
+dtype (fp32 for fp32 parameters; one rounding per chunk for bf16), a linear head's by the
+head op's dW matmul itself (``accumulate_head_grads``). The gradients are formed in
 the forward pass; the backward scales them by grad_output: in place, and hands them out, when
 the graph is freed after it; into new tensors when it is retained (they are read again by the
 next backward).
@@ -28,6 +29,7 @@ Metrics: per-row tensors are concatenated in chunk order; scalars are summed ove
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -38,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from tigon.ops._common import capturing, chunk_budget_bytes, traced
 from tigon.ops._internals import graph_retained
 from tigon.ops.fused_linear_cross_entropy import chunk_rows_for_budget
+from tigon.ops.linear_token_logps import accumulate_head_grads
 
 
 def token_logps(logits, target, ignore_index):
@@ -46,6 +49,11 @@ def token_logps(logits, target, ignore_index):
     mask = target != ignore_index
     z_y = torch.gather(logits, -1, torch.where(mask, target, 0).unsqueeze(-1)).squeeze(-1)
     return (z_y - torch.logsumexp(logits, -1)) * mask, mask
+
+
+def head_vocab(*weights):
+    """The vocabulary every given head ([V, H] weights; None skipped) covers: the labels' bound."""
+    return min(w.shape[0] for w in weights if w is not None)
 
 
 def head_logits(x, weight, bias):
@@ -101,38 +109,49 @@ class ChunkedLossFunction(torch.autograd.Function):
         shared = {i: inputs[i].detach().requires_grad_() for i in argnums if i >= spec.n_chunked}
         grads: dict[int, torch.Tensor] = {}
         total, collected = None, _Metrics()
-        for rows in spec.row_chunks:
-            args = [t[rows] if (i < spec.n_chunked and t is not None) else shared.get(i, t)
-                    for i, t in enumerate(inputs)]
-            if not argnums:
-                loss_c, metrics = fn(*args)  # grad mode is off in a Function's forward
-            else:
-                for i in argnums:
-                    if i < spec.n_chunked:
-                        args[i] = args[i].detach().requires_grad_()
-                leaves = [args[i] for i in argnums]
-                with torch.enable_grad():
-                    loss_c, metrics = fn(*args)
-                    if loss_c.requires_grad:
-                        g = torch.autograd.grad(loss_c, leaves, allow_unused=True, materialize_grads=True)
-                    else:  # the chunk's loss does not depend on the inputs
-                        g = [torch.zeros_like(t) for t in leaves]
-                del leaves
-                for i, gi in zip(argnums, g):
-                    if i < spec.n_chunked:
-                        if i not in grads:
-                            grads[i] = torch.zeros(inputs[i].shape, dtype=inputs[i].dtype, device=gi.device)
-                        grads[i].index_copy_(0, rows, gi.to(inputs[i].dtype))
-                    elif i not in grads:
-                        grads[i] = gi.to(inputs[i].dtype)
-                    else:
-                        grads[i].add_(gi)
-                # The chunk's gradients (a [V, H] head gradient among them) must not live on
-                # into the next chunk: that would hold one more head gradient at the peak.
-                del g, gi
-            loss_c = loss_c.detach().float()
-            total = loss_c if total is None else total + loss_c
-            collected.add(metrics)
+        # A shared input that is a linear head's weight or bias gets its gradient added by the
+        # head op's own matmul (accumulate_head_grads); any other path's adds up below.
+        heads = contextlib.nullcontext() if spec.compiled else accumulate_head_grads(*shared.values())
+        with heads as accumulated:
+            for rows in spec.row_chunks:
+                args = [t[rows] if (i < spec.n_chunked and t is not None) else shared.get(i, t)
+                        for i, t in enumerate(inputs)]
+                if not argnums:
+                    loss_c, metrics = fn(*args)  # grad mode is off in a Function's forward
+                else:
+                    for i in argnums:
+                        if i < spec.n_chunked:
+                            args[i] = args[i].detach().requires_grad_()
+                    leaves = [args[i] for i in argnums]
+                    with torch.enable_grad():
+                        loss_c, metrics = fn(*args)
+                        # None: no gradient reached the leaf (or a head op accumulated it)
+                        g = torch.autograd.grad(loss_c, leaves, allow_unused=True) if loss_c.requires_grad \
+                            else [None] * len(leaves)
+                    del leaves
+                    for i, gi in zip(argnums, g):
+                        if gi is None:
+                            continue
+                        if i < spec.n_chunked:
+                            if i not in grads:
+                                grads[i] = torch.zeros(inputs[i].shape, dtype=inputs[i].dtype, device=gi.device)
+                            grads[i].index_copy_(0, rows, gi.to(inputs[i].dtype))
+                        elif i not in grads:
+                            grads[i] = gi.to(inputs[i].dtype)
+                        else:
+                            grads[i].add_(gi)
+                    # The chunk's gradients (a [V, H] head gradient among them) must not live on
+                    # into the next chunk: that would hold one more head gradient at the peak.
+                    del g, gi
+                loss_c = loss_c.detach().float()
+                total = loss_c if total is None else total + loss_c
+                collected.add(metrics)
+            for i in argnums:
+                acc = accumulated.get(shared[i]) if accumulated is not None and i in shared else None
+                if acc is not None:
+                    grads[i] = acc if i not in grads else grads[i].add_(acc)
+                elif i not in grads:  # no gradient reached it: zeros, as autograd would materialise
+                    grads[i] = torch.zeros(inputs[i].shape, dtype=inputs[i].dtype, device=inputs[i].device)
         metrics = collected.joined()
         ctx.grad_index = sorted(grads)
         ctx.save_for_backward(*(grads[i] for i in ctx.grad_index))

@@ -34,14 +34,17 @@ import torch
 from tigon.functional import linear_token_logps
 from tigon.losses.base import (
     LossModule,
+    check_chunk_size,
     contiguous_chunks,
     head_logits,
+    head_vocab,
     plain_numbers,
     rows_per_chunk,
     run_chunked,
     token_logps,
 )
 from tigon.ops._common import matmul_dtype, traced
+from tigon.ops.cross_entropy import labels_checked
 
 GRPO_LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo", "cispo", "sapo", "gspo")
 CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -266,61 +269,99 @@ def grpo_loss(x, weight, selected_token_ids, attention_mask, advantages, bias=No
             torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=x.device).clamp_min(1.0)
         row_scale = (1.0 / items).expand(B, 1)
     fused = not compiled
-    chunk_sequences = rows_per_chunk(chunk_sequences, chunk_budget, B, T * weight.shape[0],
-                                     x.element_size() if fused else TORCH_BYTES_PER_LOGIT, "chunk_sequences")
+    if chunk_sequences is not None:
+        check_chunk_size("chunk_sequences", chunk_sequences)
     as_float = (lambda t: None if t is None else t.detach().float())
-    detach = (lambda t: None if t is None else t.detach())
+    ref_lp_all, old_lp_all, is_ratio = (as_float(t) for t in (ref_per_token_logps, old_per_token_logps,
+                                                              importance_sampling_ratio))
+    ref_x, ref_weight, ref_bias = (None if t is None else t.detach() for t in (ref_x, ref_weight, ref_bias))
 
-    def chunk_fn(xc, tc, mc, advc, scale, ref_lp, old_lp, is_ratio, ref_xc, w, b, ref_w, ref_b):
+    def chunk_fn(xc, tc, mc, advc, scale, ref_lp, old_lp, ratio, ref_xc, w, b, ref_w, ref_b):
+        """Rows of sequences ([S, T] per token; mc their mask) or of completion tokens ([n])."""
         lp, entropy = completion_token_logps(xc, w, b, tc, temperature, fused, compute_entropy)
         if use_kl and ref_lp is None:
             with torch.no_grad():
                 ref_lp, _ = completion_token_logps(ref_xc, ref_w, ref_b, tc, temperature, fused)
         old = lp.detach() if old_lp is None else old_lp
-        loss_t, coef_1, kl = per_token_policy_loss(lp, old, ref_lp, advc, mc, is_ratio, loss_type=loss_type,
+        loss_t, coef_1, kl = per_token_policy_loss(lp, old, ref_lp, advc, mc, ratio, loss_type=loss_type,
                                                    sequence=sequence, use_bias_correction_kl=use_bias_correction_kl,
                                                    **opts)
-        loss = ((loss_t * mc).sum(-1, keepdim=True) * scale).sum()
-        metrics = {"per_token_logps": lp.detach()}
-
-        def masked_sum(v):  # the chunk's share of TRL's global masked mean ([S, 1]: a mean over sequences)
-            v = v.detach().float()
-            return v.sum() / B if v.shape[-1] == 1 else (v * mc).sum() / tokens
-
-        def seq_mean(v):  # TRL's masked_seq_mean (NaN for a sequence without tokens)
-            v = v.detach().float()
-            return v.squeeze(-1) if v.shape[-1] == 1 else (v * mc).sum(-1) / mc.sum(-1)
-
+        per_row = loss_t if mc is None else (loss_t * mc).sum(-1, keepdim=True)
+        metrics = {"per_token_logps": lp.detach()}  # and the per-token (or per-sequence) values of the others
         if kl is not None:
-            metrics["kl"] = masked_sum(kl)
+            metrics["kl"] = kl.detach()
         if entropy is not None:
-            metrics["entropy"] = masked_sum(entropy)
+            metrics["entropy"] = entropy
         if loss_type == "cispo":
-            metrics["cispo_clip_ratio"] = masked_sum((coef_1 > opts["epsilon_high"]) & (advc > 0))
+            metrics["cispo"] = (coef_1 > opts["epsilon_high"]) & (advc > 0)
         elif loss_type in CLIP_LOSS_TYPES:
-            low = (coef_1 < 1 - opts["epsilon_low"]) & (advc < 0)
-            high = (coef_1 > 1 + opts["epsilon_high"]) & (advc > 0)
-            metrics["clip_ratio/low_mean"] = masked_sum(low)
-            metrics["clip_ratio/high_mean"] = masked_sum(high)
-            metrics["clip_ratio/region_mean"] = masked_sum(low | high)
-            metrics["_low_per_seq"] = seq_mean(low)
-            metrics["_high_per_seq"] = seq_mean(high)
-        return loss, metrics
+            metrics["low"] = (coef_1 < 1 - opts["epsilon_low"]) & (advc < 0)
+            metrics["high"] = (coef_1 > 1 + opts["epsilon_high"]) & (advc > 0)
+        return (per_row * scale).sum(), metrics
 
-    loss, metrics = run_chunked(
-        chunk_fn,
-        [x, target, m, adv, row_scale, as_float(ref_per_token_logps), as_float(old_per_token_logps),
-         as_float(importance_sampling_ratio), detach(ref_x)],
-        [weight, bias, detach(ref_weight), detach(ref_bias)],
-        contiguous_chunks(B, chunk_sequences, x.device, "chunk_sequences"), compiled)
-    metrics["per_token_logps"] = metrics["per_token_logps"].view(B, T)
-    for name, reduce, key in (("_low_per_seq", torch.amin, "low_min"), ("_high_per_seq", torch.amax, "high_max")):
-        if name in metrics:  # over the sequences with tokens (NaN when none has), as TRL's nanmin / nanmax
-            per_seq = metrics.pop(name)
-            kept = per_seq.nan_to_num(nan=float("inf") if key == "low_min" else float("-inf"))
-            value = reduce(kept)
+    shared = [weight, bias, ref_weight, ref_bias]
+    with labels_checked(target, head_vocab(weight, ref_weight), IGNORE):
+        # Eager, token-level importance sampling: the head runs on the completion tokens only
+        # (the padding's log-probs are 0 and carry no gradient), in chunks of tokens that fill
+        # the chunk budget whatever T is. One host sync finds them.
+        kept = None
+        if fused and not sequence and not torch.compiler.is_compiling() and not traced(x):
+            kept = attention_mask.reshape(-1).nonzero().squeeze(1)
+        if kept is not None and kept.numel():
+            def tokens_of(t):  # [B, T, ...] or [B, 1] -> the completion tokens' rows
+                if t is None:
+                    return None
+                return t.expand(B, T, *t.shape[2:]).reshape(B * T, *t.shape[2:])[kept]
+
+            n = kept.numel()
+            per_chunk = rows_per_chunk(None if chunk_sequences is None else chunk_sequences * T, chunk_budget, n,
+                                       weight.shape[0], x.element_size(), "chunk_sequences")
+            loss, raw = run_chunked(
+                chunk_fn, [tokens_of(x), tokens_of(target), None, tokens_of(adv), tokens_of(row_scale),
+                           tokens_of(ref_lp_all), tokens_of(old_lp_all), tokens_of(is_ratio), tokens_of(ref_x)],
+                shared, contiguous_chunks(n, per_chunk, x.device, "chunk_sequences"), compiled)
+            raw = {k: torch.zeros(B * T, dtype=v.dtype, device=v.device).index_copy_(0, kept, v).view(B, T)
+                   for k, v in raw.items()}
+        else:
+            per_chunk = rows_per_chunk(chunk_sequences, chunk_budget, B, T * weight.shape[0],
+                                       x.element_size() if fused else TORCH_BYTES_PER_LOGIT, "chunk_sequences")
+            loss, raw = run_chunked(
+                chunk_fn, [x, target, m, adv, row_scale, ref_lp_all, old_lp_all, is_ratio, ref_x], shared,
+                contiguous_chunks(B, per_chunk, x.device, "chunk_sequences"), compiled)
+    return loss, policy_metrics(raw, m, loss_type)
+
+
+def policy_metrics(raw, m, loss_type):
+    """TRL's logged metrics from the per-token values [B, T] (per-sequence ones [B, 1] with
+    sequence-level importance sampling) that chunk_fn returned, m the completion mask [B, T]."""
+    B = m.shape[0]
+    tokens = m.sum().clamp_min(1.0)
+
+    def masked_mean(v):  # TRL's masked mean over the batch's tokens (a mean over sequences for [B, 1])
+        v = v.float()
+        return v.sum() / B if v.shape[-1] == 1 else (v * m).sum() / tokens
+
+    def seq_mean(v):  # TRL's masked_seq_mean (NaN for a sequence without tokens)
+        v = v.float()
+        return v.squeeze(-1) if v.shape[-1] == 1 else (v * m).sum(-1) / m.sum(-1)
+
+    metrics = {"per_token_logps": raw["per_token_logps"]}
+    for name in ("kl", "entropy"):
+        if name in raw:
+            metrics[name] = masked_mean(raw[name])
+    if loss_type == "cispo":
+        metrics["cispo_clip_ratio"] = masked_mean(raw["cispo"])
+    elif loss_type in CLIP_LOSS_TYPES:
+        low, high = raw["low"], raw["high"]
+        metrics["clip_ratio/low_mean"] = masked_mean(low)
+        metrics["clip_ratio/high_mean"] = masked_mean(high)
+        metrics["clip_ratio/region_mean"] = masked_mean(low | high)
+        for per_seq, reduce, key, empty in ((seq_mean(low), torch.amin, "low_min", float("inf")),
+                                            (seq_mean(high), torch.amax, "high_max", float("-inf"))):
+            # over the sequences with tokens (NaN when none has), as TRL's nanmin / nanmax
+            value = reduce(per_seq.nan_to_num(nan=empty))
             metrics["clip_ratio/" + key] = torch.where(torch.isnan(per_seq).all(), float("nan"), value)
-    return loss, metrics
+    return metrics
 
 
 @torch.no_grad()
@@ -343,11 +384,12 @@ def per_token_logps(x, weight, selected_token_ids, attention_mask=None, bias=Non
     chunk_sequences = rows_per_chunk(chunk_sequences, chunk_budget, B, T * weight.shape[0], x.element_size(),
                                      "chunk_sequences")
     logps, entropies = [], []
-    for rows in contiguous_chunks(B, chunk_sequences, x.device, "chunk_sequences"):
-        lp, ent = completion_token_logps(x[rows], weight, bias, target[rows], float(temperature), True,
-                                         compute_entropy)
-        logps.append(lp)
-        entropies.append(ent)
+    with labels_checked(target, weight.shape[0], IGNORE):
+        for rows in contiguous_chunks(B, chunk_sequences, x.device, "chunk_sequences"):
+            lp, ent = completion_token_logps(x[rows], weight, bias, target[rows], float(temperature), True,
+                                             compute_entropy)
+            logps.append(lp)
+            entropies.append(ent)
     logps = torch.cat(logps)
     return (logps, torch.cat(entropies)) if compute_entropy else logps
 

@@ -14,7 +14,16 @@ import torch
 import torch.nn.functional as F
 
 from tigon.functional import linear_token_logps
-from tigon.losses.base import LossModule, contiguous_chunks, head_logits, plain_numbers, run_chunked, token_logps
+from tigon.losses.base import (
+    LossModule,
+    contiguous_chunks,
+    head_logits,
+    head_vocab,
+    plain_numbers,
+    run_chunked,
+    token_logps,
+)
+from tigon.ops.cross_entropy import labels_checked
 
 DPO_TYPES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "aot", "aot_pair",
              "aot_unpaired", "apo_zero", "apo_down", "discopop")
@@ -179,8 +188,9 @@ def _run(pair_loss, options, x, weight, target, bias, ref_x=None, ref_weight=Non
     colsum, bias_sum = head_sums(weight, bias)
     fused = not compiled
     rows = [torch.cat((c, c + pairs)) for c in contiguous_chunks(pairs, chunk_pairs, x.device, "chunk_pairs")]
-    pair_grad = coupled_loss = None
-    if coupled:
+
+    def coupled_pass():
+        """(pair_grad [2P], coupled_loss): the batch loss's gradient on the sequences' log-probs."""
         with torch.no_grad():
             seq_logps = torch.empty(2 * pairs, dtype=torch.float32, device=x.device)
             ref_all = ref_logps if ref_x is None else torch.empty_like(seq_logps)
@@ -195,6 +205,7 @@ def _run(pair_loss, options, x, weight, target, bias, ref_x=None, ref_weight=Non
             losses, _ = pair_loss(leaf[:pairs], leaf[pairs:], ref_c, ref_r, **options)
             coupled_loss = losses.sum() / pairs
             (pair_grad,) = torch.autograd.grad(coupled_loss, leaf)
+        return pair_grad, coupled_loss
 
     def chunk_fn(xc, tc, ref_xc, ref_lp, nll_tc, g, w, b, ref_w, ref_b):
         n = xc.shape[0] // 2
@@ -219,8 +230,12 @@ def _run(pair_loss, options, x, weight, target, bias, ref_x=None, ref_weight=Non
         return loss, metrics
 
     detach = (lambda t: t.detach() if t is not None else None)
-    loss, metrics = run_chunked(chunk_fn, [x, target, detach(ref_x), ref_logps, nll_target, pair_grad],
-                                [weight, bias, detach(ref_weight), detach(ref_bias)], rows, compiled)
+    # The labels checked once for the batch (a host sync per head call would stall the chunk loop)
+    checked = target if nll_target is None else torch.cat((target, nll_target))
+    with labels_checked(checked, head_vocab(weight, ref_weight), ignore_index):
+        pair_grad, coupled_loss = coupled_pass() if coupled else (None, None)
+        loss, metrics = run_chunked(chunk_fn, [x, target, detach(ref_x), ref_logps, nll_target, pair_grad],
+                                    [weight, bias, detach(ref_weight), detach(ref_bias)], rows, compiled)
     if coupled:  # the surrogate's value replaced by the loss's, its gradient kept
         loss = loss - loss.detach() + coupled_loss.detach() + metrics.get("nll_loss", 0.0) * nll_weight
     return loss, metrics
@@ -336,9 +351,10 @@ def kto_loss(x, weight, target, preference_labels, bias=None, *, beta=0.1, desir
         return losses.sum() / n, dict(logps=logps, rewards=beta * ratio)
 
     detach = (lambda t: t.detach() if t is not None else None)
-    return run_chunked(chunk_fn, [x, target, preference_labels, detach(ref_x), ref_lp_all],
-                       [weight, bias, detach(ref_weight), detach(ref_bias)],
-                       contiguous_chunks(n, chunk_rows, x.device), compiled)
+    with labels_checked(target, head_vocab(weight, ref_weight), ignore_index):
+        return run_chunked(chunk_fn, [x, target, preference_labels, detach(ref_x), ref_lp_all],
+                           [weight, bias, detach(ref_weight), detach(ref_bias)],
+                           contiguous_chunks(n, chunk_rows, x.device), compiled)
 
 
 class TigonKTOLoss(LossModule):

@@ -28,6 +28,7 @@ for its registered backward; ``tigon::cross_entropy_`` writes it over the logits
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 from typing import NamedTuple, Optional
 
@@ -67,6 +68,24 @@ MAX_PENDING_LABEL_CHECKS = 8  # beyond this the oldest check waits for its resul
 def deferred_label_checks():
     """Inside the block, label checks on CUDA do not sync the host with the GPU (see above)."""
     return thread_flag(_DEFERRAL)
+
+
+_LABELS_CHECKED = ThreadFlag()
+
+
+@contextlib.contextmanager
+def labels_checked(target, n_classes, ignore_index):
+    """Check target's labels against [0, n_classes) now, once for a whole batch (one host sync),
+    and skip the per-call check of the linear_token_logps calls inside the block: a chunked
+    loss calls it once or twice a chunk, and each check would make the host wait for the GPU,
+    which then idles while the host prepares the next chunk. A traced target (torch.compile) is
+    not checked here, and the calls check as usual."""
+    if traced(target) or torch.compiler.is_compiling():
+        yield
+        return
+    check_label_range(target, n_classes, ignore_index)
+    with thread_flag(_LABELS_CHECKED):
+        yield
 
 
 def resolve_label_checks(wait: bool = False) -> None:
@@ -414,12 +433,13 @@ def kernel_target_and_options(target, opts: CrossEntropyOptions):
 
 
 def check_cross_entropy_options(target, n_rows, n_classes, opts: CrossEntropyOptions):
-    """Checks shared by cross entropy and the fused linear version, for logits [n_rows, n_classes]
-    and target [n_rows], the label range included. Returns (target, opts) as the kernel reads
-    them (``kernel_target_and_options``)."""
+    """Checks of a linear-head row op (linear_token_logps) for logits [n_rows, n_classes] and
+    target [n_rows], the label range included unless inside ``labels_checked``. Returns (target,
+    opts) as the kernel reads them (``kernel_target_and_options``)."""
     check_target_and_class_weight(target, n_rows, n_classes, opts.weight)
     check_option_values(opts)
-    check_label_range(target, n_classes, opts.ignore_index, opts.defer_label_check)
+    if not _LABELS_CHECKED.on:
+        check_label_range(target, n_classes, opts.ignore_index, opts.defer_label_check)
     return kernel_target_and_options(target, opts)
 
 

@@ -11,7 +11,9 @@ two matmuls (and a matrix-vector product for the bias) with the per-row grad_out
 the [N, H] operands, never into the [N, V] buffer:
     dx = -(G @ W) * g[:, None],   dW = -G^T @ (x * g[:, None]),   db = -G^T @ g.
 No extra kernel: the Triton work is cross_entropy_kernel's, and the backward is torch matmuls
-(traced as such by torch.compile).
+(traced as such by torch.compile). Inside ``accumulate_head_grads`` (the chunked losses' eager
+loop) the dW matmul adds into one accumulator across chunks instead of returning a [V, H]
+gradient per chunk.
 
 The op is ``torch.ops.tigon.linear_token_logps`` (a torch.library custom op with its autograd
 registered; ``tigon.functional.linear_token_logps`` calls it). Like every custom op with a
@@ -21,12 +23,13 @@ torch.autograd, as the chunked losses do.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from tigon.ops._common import check_same_device, check_tensor, new_output
+from tigon.ops._common import accumulate_mm, check_same_device, check_tensor, new_output
 from tigon.ops.cross_entropy import (
     CrossEntropyOptions,
     check_cross_entropy_options,
@@ -78,9 +81,53 @@ def linear_head_logits(x, weight, bias):
     return logits
 
 
+# accumulate_head_grads' open slots, id(tensor) -> [tensor, accumulator or None]. Process-wide,
+# not per thread: autograd runs a CUDA backward on its device thread, not the caller's.
+_HEAD_GRAD_SLOTS: dict = {}
+
+
+class HeadGradAccumulators:
+    """What accumulate_head_grads yields: ``get(t)``, the gradient added up for t, or None."""
+
+    def __init__(self, slots):
+        self._slots = slots
+
+    def get(self, t):
+        slot = self._slots.get(id(t))
+        return slot[1] if slot is not None and slot[0] is t else None
+
+
+@contextlib.contextmanager
+def accumulate_head_grads(*tensors):
+    """Within the block, the eager backward of a linear-head row op (linear_token_logps,
+    linear_jsd) whose weight or bias is one of ``tensors`` (the same tensor objects) adds that
+    gradient into one accumulator per tensor, in the tensor's dtype, and returns None for it.
+    The weight's is added by the dW matmul itself (beta = 1): a chunked loss then forms no
+    [V, H] gradient per chunk and no separate add over it (three passes over the head's size per
+    chunk). Yields a HeadGradAccumulators. A traced backward (torch.compile) ignores it."""
+    slots = {id(t): [t, None] for t in tensors if t is not None}
+    before = {k: _HEAD_GRAD_SLOTS[k] for k in slots if k in _HEAD_GRAD_SLOTS}
+    _HEAD_GRAD_SLOTS.update(slots)
+    try:
+        yield HeadGradAccumulators(slots)
+    finally:
+        for k in slots:
+            _HEAD_GRAD_SLOTS.pop(k, None)
+        _HEAD_GRAD_SLOTS.update(before)
+
+
+def _head_grad_slot(t):
+    """t's accumulate_head_grads slot, or None (none open for t, or tracing)."""
+    if not _HEAD_GRAD_SLOTS or t is None or torch.compiler.is_compiling():
+        return None
+    slot = _HEAD_GRAD_SLOTS.get(id(t))
+    return slot if slot is not None and slot[0] is t else None
+
+
 def linear_head_backward(g_logits, x, weight, bias, row_grad, needs):
     """Gradients (dx, dW, db) of sum_i row_grad[i] * f_i(x @ W^T + b) given G = d f_i / d logits
-    [N, V]: the per-row factor is applied to the [N, H] operands, never to G."""
+    [N, V]: the per-row factor is applied to the [N, H] operands, never to G. dW and db are
+    None where an accumulate_head_grads slot took them."""
     need_x, need_w, need_b = needs
     r = row_grad.to(torch.float32)
     dx = dw = db = None
@@ -88,9 +135,21 @@ def linear_head_backward(g_logits, x, weight, bias, row_grad, needs):
         wc = weight if weight.dtype == g_logits.dtype else weight.to(g_logits.dtype)
         dx = ((g_logits @ wc).float() * r[:, None]).to(x.dtype)
     if need_w:
-        dw = (g_logits.t() @ (x.float() * r[:, None]).to(g_logits.dtype)).to(weight.dtype)
+        xr = (x.float() * r[:, None]).to(g_logits.dtype)
+        slot = _head_grad_slot(weight)
+        if slot is None:
+            dw = (g_logits.t() @ xr).to(weight.dtype)
+        else:
+            first = slot[1] is None
+            if first:
+                slot[1] = new_output(weight.shape, weight.dtype, weight.device)
+            accumulate_mm(slot[1], g_logits.t(), xr, first=first)
     if need_b and bias is not None:
         db = (r.to(g_logits.dtype) @ g_logits).to(bias.dtype)
+        slot = _head_grad_slot(bias)
+        if slot is not None:
+            slot[1] = db if slot[1] is None else slot[1].add_(db)
+            db = None
     return dx, dw, db
 
 
@@ -131,7 +190,8 @@ def linear_head_rows_backward(ctx, row_grad, name):
 def linear_token_logps_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
                           compute_grad: bool) -> tuple[Tensor, Tensor]:
     """(logp fp32 [N], G [N, V] in x's dtype): G = d(-logp) / d logits, the saved gradient (not
-    differentiable); an empty tensor when compute_grad is False (no gradient will be asked for)."""
+    differentiable); an empty tensor when compute_grad is False (no gradient will be asked for).
+    The label range is checked (a host sync) unless inside ``labels_checked``."""
     check_linear_token_logps_args(x, weight, bias, target)
     opts = CrossEntropyOptions(ignore_index=ignore_index, reduction="none")
     target, opts = check_cross_entropy_options(target, x.shape[0], weight.shape[0], opts)
