@@ -2,9 +2,10 @@
 completion positions go to ``tigon.losses.grpo_loss`` with the lm_head weight, which forms the
 logits a chunk of sequences at a time and the gradients in the same pass.
 
-Run: ``python examples/grpo_with_trl.py`` (a tiny random Llama, an offline word-level tokenizer
-and a toy reward; CPU or GPU). It trains a few steps with TRL's own loss and with tigon's, from
-the same weights, data and seed, and prints both runs' losses and gradient norms. For a real
+Run: ``python examples/grpo_with_trl.py`` (a tiny random Llama, an offline word-level tokenizer,
+a toy reward and TRL's DAPO length penalty; CPU or GPU). It trains a few steps with TRL's own
+loss and with tigon's, from the same weights, data and seed, and prints both runs' losses and
+gradient norms. For a real
 model, pass your model, reward functions, tokenizer, dataset and GRPOConfig to
 ``TigonGRPOTrainer`` as to ``GRPOTrainer`` (one line changes).
 """
@@ -15,6 +16,7 @@ import copy
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
+from trl.rewards import get_soft_overlong_punishment
 
 from tigon.losses import grpo_loss
 
@@ -115,7 +117,9 @@ def train(trainer_class, model, tokenizer, data, output_dir, steps=3, loss_type=
     args = GRPOConfig(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=8, learning_rate=0.5, optim="sgd", logging_steps=1, save_strategy="no", report_to=[],
                       use_cpu=not torch.cuda.is_available(), seed=0, beta=beta, loss_type=loss_type, **config)
-    trainer = trainer_class(model=f"{output_dir}/init", reward_funcs=reward_variety, args=args, train_dataset=data,
+    # A toy reward and one of TRL's own: DAPO's soft overlong punishment (lengths past 4 of the 8 tokens)
+    rewards = [reward_variety, get_soft_overlong_punishment(max_completion_len=8, soft_punish_cache=4)]
+    trainer = trainer_class(model=f"{output_dir}/init", reward_funcs=rewards, args=args, train_dataset=data,
                             processing_class=tokenizer)
     trainer.train()
     return [{k: h[k] for k in ("loss", "grad_norm", "kl", "entropy") if k in h}
