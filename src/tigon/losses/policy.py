@@ -235,7 +235,9 @@ def grpo_loss(x, weight, selected_token_ids, attention_mask, advantages, bias=No
     ``cispo_clip_ratio`` (cispo), ``kl`` (beta > 0), ``entropy`` (compute_entropy: one more pass
     of the head, no gradient), and ``per_token_logps`` [B, T]. Chunks are of
     ``chunk_sequences`` sequences, or as many as fit ``chunk_budget`` bytes of logits (default
-    tigon's one chunk budget). ``compiled=True``: torch math instead of the fused kernel, for
+    tigon's one chunk budget); with token-level importance sampling an eager call takes the
+    completion tokens alone (attention_mask != 0, one host sync to find them), in chunks of
+    ``chunk_sequences * T`` tokens or of the budget's. ``compiled=True``: torch math instead of the fused kernel, for
     torch.compile of the loss. Non-finite advantages raise a ValueError (eager; a host sync)."""
     check_policy_args(x, weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps,
                       old_per_token_logps, ref_x, ref_weight, importance_sampling_ratio)
