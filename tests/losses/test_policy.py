@@ -287,7 +287,7 @@ def test_module_and_per_token_logps(monkeypatch):
     assert not lp.requires_grad
     with torch.no_grad():
         want = reference_logps(x.double(), w.double(), b.double(), ids, 0.8) * mask
-        want_entropy = reference_entropy(x.double(), w.double(), b.double(), 0.8)
+        want_entropy = reference_entropy(x.double(), w.double(), b.double(), 0.8) * mask
     assert rel_err(lp, want) < 1e-5 and rel_err(entropy, want_entropy) < 1e-5
 
 
@@ -366,3 +366,8 @@ def test_head_runs_on_completion_tokens_only(monkeypatch, loss_type, rows):
     grads = torch.autograd.grad(loss, [x, w, b])
     wants = torch.autograd.grad(want, [x, w, b])
     assert all(rel_err(g, r) < 1e-4 for g, r in zip(grads, wants))
+    seen.clear()  # the no-gradient pass (old policy, reference) always takes the completion tokens
+    lp = per_token_logps(x, w, ids, mask, b, chunk_sequences=2)
+    assert sum(seen) == int(mask.sum()) and len(seen) == -(-sum(seen) // (2 * T)), seen
+    with torch.no_grad():
+        assert rel_err(lp, reference_logps(x.double(), w.double(), b.double(), ids, 1.0) * mask) < 1e-5

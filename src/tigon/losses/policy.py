@@ -104,6 +104,19 @@ def completion_targets(selected_token_ids, attention_mask):
     return torch.where(attention_mask != 0, selected_token_ids, IGNORE)
 
 
+def completion_positions(attention_mask):
+    """Flat positions [n] (int64, into B * T) of the completion tokens (attention_mask != 0) of a
+    [B, T] batch. Finding them is one host sync."""
+    return attention_mask.reshape(-1).nonzero().squeeze(1)
+
+
+def rows_at(t, positions, B, T):
+    """The rows of t [B, T, ...] (or [B, 1], broadcast over T) at flat positions [n]; None stays None."""
+    if t is None:
+        return None
+    return t.expand(B, T, *t.shape[2:]).reshape(B * T, *t.shape[2:])[positions]
+
+
 def check_policy_args(x, weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps,
                       old_per_token_logps, ref_x, ref_weight, importance_sampling_ratio):
     if x.ndim != 3:
@@ -308,12 +321,10 @@ def grpo_loss(x, weight, selected_token_ids, attention_mask, advantages, bias=No
         # the chunk budget whatever T is. One host sync finds them.
         kept = None
         if fused and not sequence and not torch.compiler.is_compiling() and not traced(x):
-            kept = attention_mask.reshape(-1).nonzero().squeeze(1)
+            kept = completion_positions(attention_mask)
         if kept is not None and kept.numel():
-            def tokens_of(t):  # [B, T, ...] or [B, 1] -> the completion tokens' rows
-                if t is None:
-                    return None
-                return t.expand(B, T, *t.shape[2:]).reshape(B * T, *t.shape[2:])[kept]
+            def tokens_of(t):
+                return rows_at(t, kept, B, T)
 
             n = kept.numel()
             per_chunk = rows_per_chunk(None if chunk_sequences is None else chunk_sequences * T, chunk_budget, n,
@@ -371,29 +382,39 @@ def per_token_logps(x, weight, selected_token_ids, attention_mask=None, bias=Non
                     compute_entropy=False, chunk_sequences=None, chunk_budget=None):
     """The per-token log-probs [B, T] fp32 (0 where attention_mask is 0) of the sampled tokens
     under (x @ weight^T + bias) / temperature, without gradient: the old policy's or the
-    reference's pass of GRPO (``old_per_token_logps`` / ``ref_per_token_logps``), a chunk of
-    sequences at a time on the same kernel and no backward buffer. With compute_entropy, also
-    each token's entropy [B, T] (one more pass of the head): returns (logps, entropy)."""
+    reference's pass of GRPO (``old_per_token_logps`` / ``ref_per_token_logps``) on the same
+    kernel and no backward buffer. The head runs on the completion tokens only (one host sync
+    finds them), in chunks of ``chunk_sequences * T`` tokens or of the chunk budget's. With
+    compute_entropy, also each token's entropy [B, T] (0 where attention_mask is 0; one more
+    pass of the head): returns (logps, entropy)."""
     if x.ndim != 3 or tuple(selected_token_ids.shape) != tuple(x.shape[:2]):
         raise ValueError(f"x must be [B, T, H] and selected_token_ids [B, T], got {tuple(x.shape)} and "
                          f"{tuple(selected_token_ids.shape)}")
     if attention_mask is not None and tuple(attention_mask.shape) != tuple(x.shape[:2]):
         raise ValueError(f"attention_mask must be {tuple(x.shape[:2])}, got {tuple(attention_mask.shape)}")
     check_number("temperature", temperature, positive=True)
+    if chunk_sequences is not None:
+        check_chunk_size("chunk_sequences", chunk_sequences)
     B, T = x.shape[:2]
     x, weight, bias = under_autocast(x, weight, bias)
-    target = selected_token_ids if attention_mask is None else completion_targets(selected_token_ids, attention_mask)
-    chunk_sequences = rows_per_chunk(chunk_sequences, chunk_budget, B, T * weight.shape[0], x.element_size(),
-                                     "chunk_sequences")
-    logps, entropies = [], []
-    with labels_checked(target, weight.shape[0], IGNORE):
-        for rows in contiguous_chunks(B, chunk_sequences, x.device, "chunk_sequences"):
-            lp, ent = completion_token_logps(x[rows], weight, bias, target[rows], float(temperature), True,
-                                             compute_entropy)
-            logps.append(lp)
-            entropies.append(ent)
-    logps = torch.cat(logps)
-    return (logps, torch.cat(entropies)) if compute_entropy else logps
+    kept = completion_positions(torch.ones_like(selected_token_ids) if attention_mask is None else attention_mask)
+    n = kept.numel()
+    target = rows_at(selected_token_ids, kept, B, T)
+    per_chunk = rows_per_chunk(None if chunk_sequences is None else chunk_sequences * T, chunk_budget, n,
+                               weight.shape[0], x.element_size(), "chunk_sequences")
+    logps = torch.zeros(B * T, dtype=torch.float32, device=x.device)
+    entropy = torch.zeros(B * T, dtype=torch.float32, device=x.device) if compute_entropy else None
+    if n:
+        x_rows = rows_at(x, kept, B, T)
+        with labels_checked(target, weight.shape[0], IGNORE):
+            for rows in contiguous_chunks(n, per_chunk, x.device, "chunk_sequences"):
+                lp, ent = completion_token_logps(x_rows[rows], weight, bias, target[rows], float(temperature), True,
+                                                 compute_entropy)
+                logps.index_copy_(0, kept[rows], lp)
+                if compute_entropy:
+                    entropy.index_copy_(0, kept[rows], ent)
+    logps = logps.view(B, T)
+    return (logps, entropy.view(B, T)) if compute_entropy else logps
 
 
 class TigonGRPOLoss(LossModule):
