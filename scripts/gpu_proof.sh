@@ -88,8 +88,8 @@ case "$part" in
       --impls tigon+compile,tigon --op-host-time --no-torch-profile 2>&1 | grep -v -i "warn\|backend impl" \
       | tee "$OUT/compile/profile_op_host_time_batch16.log" || status=1
     ;;
-  compile-llama-ab)  # the compiled Llama-3.2-1B step at batch 64 (5-7% slower since the triton_ops and
-    # the 512 MiB MLP slices, unprofiled): kernel time and top kernels per variant (AB: triton_ops
+  compile-llama-ab)  # the compiled Llama-3.2-1B step at batch 64 (how e4035e7's fp64 arguments were
+    # found, results/h200/compile): kernel time and top kernels per variant (AB: triton_ops
     # on/off : MLP slice budget MiB : private APIs on/off, the last one the causal_mask patch), and
     # eager tigon for reference (EAGER=0 skips it)
     mkdir -p "$OUT/compile"

@@ -384,7 +384,7 @@ def per_token_logps(x, weight, selected_token_ids, attention_mask=None, bias=Non
     under (x @ weight^T + bias) / temperature, without gradient: the old policy's or the
     reference's pass of GRPO (``old_per_token_logps`` / ``ref_per_token_logps``) on the same
     kernel and no backward buffer. The head runs on the completion tokens only (one host sync
-    finds them), in chunks of ``chunk_sequences * T`` tokens or of the chunk budget's. With
+    finds them; every token without attention_mask), in chunks of ``chunk_sequences * T`` tokens or of the chunk budget's. With
     compute_entropy, also each token's entropy [B, T] (0 where attention_mask is 0; one more
     pass of the head): returns (logps, entropy)."""
     if x.ndim != 3 or tuple(selected_token_ids.shape) != tuple(x.shape[:2]):
@@ -397,7 +397,7 @@ def per_token_logps(x, weight, selected_token_ids, attention_mask=None, bias=Non
         check_chunk_size("chunk_sequences", chunk_sequences)
     B, T = x.shape[:2]
     x, weight, bias = under_autocast(x, weight, bias)
-    kept = completion_positions(torch.ones_like(selected_token_ids) if attention_mask is None else attention_mask)
+    kept = torch.arange(B * T, device=x.device) if attention_mask is None else completion_positions(attention_mask)
     n = kept.numel()
     target = rows_at(selected_token_ids, kept, B, T)
     per_chunk = rows_per_chunk(None if chunk_sequences is None else chunk_sequences * T, chunk_budget, n,

@@ -86,6 +86,12 @@ def linear_head_logits(x, weight, bias):
 _HEAD_GRAD_SLOTS: dict = {}
 
 
+def _slot_of(slots, t):
+    """t's slot in slots (keyed by id, the tensor itself checked), or None."""
+    slot = slots.get(id(t))
+    return slot if slot is not None and slot[0] is t else None
+
+
 class HeadGradAccumulators:
     """What accumulate_head_grads yields: ``get(t)``, the gradient added up for t, or None."""
 
@@ -93,8 +99,8 @@ class HeadGradAccumulators:
         self._slots = slots
 
     def get(self, t):
-        slot = self._slots.get(id(t))
-        return slot[1] if slot is not None and slot[0] is t else None
+        slot = _slot_of(self._slots, t)
+        return None if slot is None else slot[1]
 
 
 @contextlib.contextmanager
@@ -120,8 +126,7 @@ def _head_grad_slot(t):
     """t's accumulate_head_grads slot, or None (none open for t, or tracing)."""
     if not _HEAD_GRAD_SLOTS or t is None or torch.compiler.is_compiling():
         return None
-    slot = _HEAD_GRAD_SLOTS.get(id(t))
-    return slot if slot is not None and slot[0] is t else None
+    return _slot_of(_HEAD_GRAD_SLOTS, t)
 
 
 def linear_head_backward(g_logits, x, weight, bias, row_grad, needs):
