@@ -5,7 +5,7 @@
 #   OUT=/some/dir bash scripts/gpu_proof.sh quick|demo|ops-a|ops-b|losses|train|sweep|host|shapes|
 #                                            compile-check|compile-profile|compile-llama-ab|launch-check|
 #                                            compile-qwen|compile-llama|
-#                                            torchtune|tests
+#                                            catalogue|moe|torchtune|tests
 #   (several: one after the other; one device call runs 10 minutes at most, so ops-a and ops-b
 #   are separate calls). Merge the op halves afterwards (no GPU):
 #   python -m tigon.bench.ops --merge ops_a ops_b --out ops
@@ -33,6 +33,15 @@ case "$part" in
     ;;
   ops-b)
     tigon bench cross_entropy fused_linear_cross_entropy --out "$OUT/ops_b" || status=1
+    ;;
+  catalogue)  # the op catalogue of issue 21 (OPS: a subset, for one device call)
+    tigon bench ${OPS:-softmax sparsemax kl_div tvd group_norm dyt poly_norm relu_squared relu_squared_mlp tiled_mlp vocab_parallel_cross_entropy} \
+      --out "$OUT/catalogue" || status=1
+    ;;
+  moe)  # the fused MoE experts against HF's expert loop, HF's grouped_mm path and Liger's fused MoE
+    mkdir -p "$OUT/moe"
+    timeout ${MOE_TIMEOUT:-420} python3 benchmarks/bench_moe.py --out "$OUT/moe" 2>&1 | grep -v -i warn \
+      | tee "$OUT/moe/bench_moe.log" || status=1
     ;;
   losses)
     mkdir -p "$OUT/losses"

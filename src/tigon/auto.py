@@ -16,7 +16,7 @@ def _split(kwargs):
 class AutoModelForCausalLM:
     """``from_pretrained`` / ``from_config`` as transformers', then ``tigon.patch(model, ...)``.
     Patch options (the fields of tigon.PatchOptions: rope, rms_norm, swiglu,
-    fused_linear_cross_entropy, cross_entropy, chunk_budget) may be passed among the keyword
+    fused_linear_cross_entropy, cross_entropy, chunk_budget, layer_norm) may be passed among the keyword
     arguments, or as ``patch_options=PatchOptions(...)``; the PatchReport is on
     ``model.tigon_report``."""
 

@@ -15,16 +15,28 @@ from tigon.ops import (
 )
 from tigon.ops._common import check_tensor_args
 from tigon.ops.cross_entropy import CrossEntropyOverLogits, checked_cross_entropy_options, rows_alias
+from tigon.ops.dyt import dyt_op
 from tigon.ops.embedding import check_padding_idx, tied_grad_slot
 from tigon.ops.fused_linear_cross_entropy import checked_flce_options
 from tigon.ops.glu import GELU_APPROXIMATIONS, activation_name, check_activation, glu_op
 from tigon.ops.glu_mlp import glu_down_proj as _glu_down_proj
 from tigon.ops.glu_mlp import glu_mlp_input_only
+from tigon.ops.group_norm import check_num_groups, group_norm_op
 from tigon.ops.jsd import check_jsd_options, jsd_op, linear_jsd_op
+from tigon.ops.kl_div import check_kl_div_options, check_reduction, kl_div_op
 from tigon.ops.layer_norm import layer_norm_op
 from tigon.ops.linear_token_logps import check_ignore_index, linear_token_logps_op
+from tigon.ops.moe_experts import moe_experts as _moe_experts
+from tigon.ops.poly_norm import poly_norm_op
+from tigon.ops.relu_squared import relu_squared_op
+from tigon.ops.relu_squared_mlp import relu_squared_mlp as _relu_squared_mlp
 from tigon.ops.rms_norm import check_casting
 from tigon.ops.rope import check_constant_tables, check_unsqueeze_dim, rope_op
+from tigon.ops.softmax import over_dim, softmax_op
+from tigon.ops.sparsemax import sparsemax_op
+from tigon.ops.tiled_mlp import tiled_mlp as _tiled_mlp
+from tigon.ops.tvd import tvd_op
+from tigon.ops.vocab_parallel_cross_entropy import check_vocab_start, process_group, sharded_cross_entropy
 
 
 def rms_norm(x, weight, eps=1e-6, offset=0.0, casting="llama", inplace=False) -> torch.Tensor:
@@ -51,6 +63,28 @@ def layer_norm(x, weight, bias, eps=1e-5) -> torch.Tensor:
     """LayerNorm of x [..., N] over the last dim; weight, bias [N] or None."""
     check_tensor_args(x=x, weight=weight, bias=bias)  # before the op: its schema's error would not name them
     return layer_norm_op(x, weight, bias, float(eps))[0]
+
+
+def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5) -> torch.Tensor:
+    """GroupNorm of x [N, C, *spatial] in num_groups groups of channels, as
+    ``torch.nn.functional.group_norm``; weight, bias [C] or None. Output in x's dtype."""
+    check_num_groups(num_groups)  # before the op: its schema would refuse a non-int with a vaguer error
+    check_tensor_args(x=x, weight=weight, bias=bias)
+    return group_norm_op(x, num_groups, weight, bias, float(eps))[0]
+
+
+def dyt(x, alpha, gamma, beta=None) -> torch.Tensor:
+    """Dynamic Tanh: gamma * tanh(alpha * x) + beta of x [..., N]; alpha a one-element tensor,
+    gamma [N], beta [N] or None. Output in x's dtype."""
+    check_tensor_args(x=x, alpha=alpha, gamma=gamma, beta=beta)
+    return dyt_op(x, alpha, gamma, beta)
+
+
+def poly_norm(x, weight, bias, eps=1e-6) -> torch.Tensor:
+    """PolyNorm: w0 norm(x^3) + w1 norm(x^2) + w2 norm(x) + b over the last dim of x [..., N],
+    norm(u) = u / sqrt(mean(u^2) + eps); weight [3], bias one element. Output in x's dtype."""
+    check_tensor_args(x=x, weight=weight, bias=bias)
+    return poly_norm_op(x, weight, bias, float(eps))[0]
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, interleaved=False):
@@ -119,6 +153,54 @@ def glu_mlp(x, gate_weight, up_weight, down_weight, activation="silu", *, gate_m
                               gate_multiplier=gate_multiplier, down_multiplier=down_multiplier)
 
 
+def relu_squared(x) -> torch.Tensor:
+    """relu(x)^2 elementwise (Primer's squared ReLU, transformers' ``ACT2FN["relu2"]``); x of any
+    shape, float32 / float16 / bfloat16; the backward is 2 relu(x) dy."""
+    check_tensor_args(x=x)
+    return relu_squared_op(x)
+
+
+def relu_squared_mlp(x, up_weight, down_weight, up_bias=None, down_bias=None) -> torch.Tensor:
+    """relu(x @ up_weight.T + up_bias)^2 @ down_weight.T + down_bias (Nemotron's MLP), keeping only
+    x and the pre-activation for the backward (relu^2 is recomputed there, inside the kernel that
+    forms its gradient). x [..., H], up_weight [I, H], down_weight [H, I], up_bias [I] and
+    down_bias [H] or None -> [..., H] in x's dtype (autocast's under autocast)."""
+    check_tensor_args(x=x, up_weight=up_weight, down_weight=down_weight, up_bias=up_bias, down_bias=down_bias)
+    return _relu_squared_mlp(x, up_weight, down_weight, up_bias, down_bias)
+
+
+def tiled_mlp(mlp, x, num_shards=None, *, preserve_rng_state=True) -> torch.Tensor:
+    """mlp(x) for x [..., T, H], run in ``num_shards`` shards of the token axis (None: ceil(T / H))
+    and recomputed shard by shard in the backward: only x is kept, and the MLP's activations are
+    never more than one shard's. Any token-wise MLP module or callable (tigon's MLP modules run
+    their kernels per shard); see ``tigon.ops.tiled_mlp`` for when to prefer ``glu_mlp``.
+    ``preserve_rng_state=False``: no RNG state saved and restored per shard (an MLP without
+    dropout)."""
+    return _tiled_mlp(mlp, x, num_shards, preserve_rng_state=preserve_rng_state)
+
+
+def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, gate_up_bias=None,
+                down_bias=None, activation="silu", layout="gate_up", transposed=False, alpha=None,
+                limit=None) -> torch.Tensor:
+    """The routed experts of an MoE layer, as HF's stacked experts (``MixtralExperts``):
+    out[t] = sum_k w[t, k] * (act(gate) * up) @ down_proj[e].T (+ down_bias[e]), e = top_k_index[t, k],
+    gate / up = the two halves of hidden_states[t] @ gate_up_proj[e].T (+ gate_up_bias[e]).
+
+    hidden_states [..., H]; top_k_index [..., K] integer (E = "no expert", skipped); top_k_weights
+    [..., K] (any float dtype); gate_up_proj [E, 2I, H], down_proj [E, H, I] (with
+    ``transposed=True``: [E, H, 2I] and [E, I, H], gpt-oss); biases [E, 2I] and [E, H] or None ->
+    [..., H] in hidden_states' dtype. ``layout``: "gate_up" (gate rows, then up rows) or
+    "interleaved" (gate, up, gate, ...: gpt-oss). ``activation``: tigon's GLU names or HF aliases
+    ("silu", "gelu_pytorch_tanh", ...), or "clamped_swiglu": gpt-oss's (up.clamp(-limit, limit) + 1)
+    * g * sigmoid(alpha * g), g = gate.clamp(max=limit) (alpha 1.702, limit 7.0 by default). Grouped
+    GEMMs routed on the device (no host sync), gate and up kept for the backward.
+    """
+    check_tensor_args(hidden_states=hidden_states, top_k_index=top_k_index, top_k_weights=top_k_weights,
+                      gate_up_proj=gate_up_proj, down_proj=down_proj, gate_up_bias=gate_up_bias, down_bias=down_bias)
+    return _moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
+                        activation, layout, transposed, alpha, limit)
+
+
 def _ce_rows(logits, target):
     """logits [..., V] and target [...] (or flattened [rows]) as [rows, V] and [rows]."""
     if not isinstance(logits, torch.Tensor) or logits.ndim == 0:
@@ -159,6 +241,36 @@ def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_
         if not rows_alias(rows):  # rows sharing memory cannot each hold their own gradient
             return _loss_outputs(CrossEntropyOverLogits.apply(rows, target1, opts), target, opts)
     return _loss_outputs(cross_entropy_op(logits2, target1, *opts, compute_grad), target, opts)
+
+
+def vocab_parallel_cross_entropy(logits, target, *, group=None, vocab_start=None, ignore_index=-100, reduction="mean",
+                                 label_smoothing=0.0, lse_square_scale=0.0, softcap=None, return_z_loss=False,
+                                 inplace=False):
+    """Cross entropy over a vocabulary split across the ranks of ``group`` (tensor parallel).
+
+    logits [..., V_r]: this rank's shard, the vocabulary ids [vocab_start, vocab_start + V_r)
+    (shards may be uneven; ``vocab_start=None`` gathers the shard widths, in rank order: one more
+    collective and a host sync). target [...]: global ids, the same on every rank. ``group``: a
+    ProcessGroup, or None for the default group (no collective when torch.distributed is not
+    initialised). Every rank gets the whole loss (fp32, the same value) and, in the backward,
+    d loss / d (its logits). Options as ``cross_entropy`` (label smoothing over the whole
+    vocabulary, z-loss, softcap, ``inplace``). One all-gather of [N + 1, 5] fp32 row stats a call;
+    torch.compile traces it (a functional collective), except the widths' gather of
+    ``vocab_start=None`` (a graph break). With one rank and vocab_start 0 (or None) this is
+    ``cross_entropy``. See tigon.ops.vocab_parallel_cross_entropy.
+    """
+    logits2, target1 = _ce_rows(logits, target)
+    opts = checked_cross_entropy_options(ignore_index, reduction, label_smoothing, None, lse_square_scale, softcap,
+                                         return_z_loss=return_z_loss)
+    check_vocab_start(vocab_start)
+    group, world_size = process_group(group)
+    if world_size == 1 and not vocab_start:
+        return cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction,
+                             label_smoothing=label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap,
+                             return_z_loss=return_z_loss, inplace=inplace)
+    compute_grad = torch.is_grad_enabled() and logits2.requires_grad
+    loss, z_loss = sharded_cross_entropy(logits2, target1, group, world_size, vocab_start, opts, compute_grad, inplace)
+    return _loss_outputs((loss, z_loss, None, None), target, opts)
 
 
 def fused_linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
@@ -249,6 +361,50 @@ def jsd(student_logprobs, teacher_logprobs, target=None, *, beta=0.5, ignore_ind
     compute_grad = torch.is_grad_enabled() and student_logprobs.requires_grad
     loss, _ = jsd_op(student_logprobs, teacher_logprobs.detach(), target, float(beta), ignore_index, compute_grad)
     return loss
+
+
+def softmax(x, dim=-1) -> torch.Tensor:
+    """softmax of x over ``dim`` in x's dtype (fp32 arithmetic). The last dim is the fast path;
+    another dim runs on a copy with that dim moved last (the result is a view moved back)."""
+    check_tensor_args(x=x)
+    return over_dim(softmax_op, x, dim)
+
+
+def sparsemax(x, dim=-1) -> torch.Tensor:
+    """sparsemax of x over ``dim`` (Martins & Astudillo 2016): max(x - tau, 0), the Euclidean
+    projection of each slice onto the probability simplex (sparse where softmax is dense), in
+    x's dtype; ``dim`` up to 65536 long. Backward: dy minus its mean over the support, on the
+    support. Sort-free (see tigon.ops.sparsemax); another dim than the last as ``softmax``."""
+    check_tensor_args(x=x)
+    return over_dim(sparsemax_op, x, dim)
+
+
+def kl_div(input, target, reduction="batchmean", log_target=False) -> torch.Tensor:
+    """``torch.nn.functional.kl_div``: input log-probabilities [..., V], target probabilities
+    (log-probabilities with ``log_target``) of the same shape; pointwise t (log t - input), 0
+    where t == 0. reduction "batchmean" (sum / input.shape[0]; the default here, as Liger's),
+    "sum", "mean" (over every element) or "none" (pointwise, in the inputs' promoted dtype). A
+    reduction's loss is fp32 and its gradients are formed in the forward pass (one read of
+    input and target). Gradients flow to input and to target when it requires grad."""
+    check_kl_div_options(reduction, log_target)  # before the op: its schema's errors would be vaguer
+    check_tensor_args(input=input, target=target)
+    grad = torch.is_grad_enabled()
+    return kl_div_op(input, target, reduction, log_target, grad and input.requires_grad,
+                     grad and target.requires_grad)[0]
+
+
+def tvd(p, q, labels=None, *, reduction="batchmean", ignore_index=-100) -> torch.Tensor:
+    """Total variation distance 0.5 * sum |p - q| over the last dim of probabilities p, q
+    [..., V] (Liger's ``LigerTVDLoss``). Rows whose label (``labels`` [...] or flat, integer)
+    is ignore_index contribute nothing and are not counted. reduction "batchmean" (over the kept
+    rows), "sum", "mean" (over kept rows times V) or "none" (pointwise, 0 on ignored rows, in
+    the promoted dtype); all rows ignored gives 0. A reduction's loss is fp32 and its gradients
+    are formed in the forward pass. Gradients: 0.5 sign(p - q) to p, its negation to q."""
+    check_reduction(reduction)
+    check_ignore_index(ignore_index)
+    check_tensor_args(p=p, q=q, labels=labels)
+    grad = torch.is_grad_enabled()
+    return tvd_op(p, q, labels, reduction, ignore_index, grad and p.requires_grad, grad and q.requires_grad)[0]
 
 
 def _requires_grad(t) -> bool:

@@ -23,8 +23,11 @@ from tigon.bench.harness import Row, generator, measure, measure_limits
 from tigon.bench.report import merge_results, write_results
 
 # The ops of the suite, in the order it runs them: the names `tigon bench` and --ops accept.
-OP_NAMES = ("rms_norm", "layer_norm", "fused_add_rms_norm", "swiglu", "geglu", "rope", "swiglu_mlp", "cross_entropy",
-            "fused_linear_cross_entropy")
+OP_NAMES = ("rms_norm", "layer_norm", "fused_add_rms_norm", "group_norm", "dyt", "poly_norm", "swiglu", "geglu",
+            "rope", "swiglu_mlp", "cross_entropy",
+            "relu_squared", "relu_squared_mlp", "tiled_mlp",
+            "vocab_parallel_cross_entropy", "fused_linear_cross_entropy",
+            "softmax", "sparsemax", "kl_div", "tvd", "moe_experts")
 
 
 def unknown_op_error(names) -> str | None:
@@ -123,6 +126,68 @@ class EagerSwiGLUMLP(torch.nn.Module):
 
 
 # ---- cases ----
+
+def eager_group_norm(x, num_groups, w, b, eps=1e-5):
+    return torch.nn.functional.group_norm(x, num_groups, w, b, eps)
+
+
+def eager_dyt(x, alpha, gamma, beta):
+    """DyT as its paper's code writes it (no upcast)."""
+    return gamma * torch.tanh(alpha * x) + beta
+
+
+def eager_poly_norm(x, w, b, eps=1e-6):
+    """PolyCom's PolyNorm, computed in fp32 (as the kernels) and cast back."""
+    xf = x.float()
+
+    def norm(u):
+        return u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps)
+
+    return (w[0] * norm(xf ** 3) + w[1] * norm(xf ** 2) + w[2] * norm(xf) + b).to(x.dtype)
+
+
+def group_norm_cases(configs, liger):
+    """configs: (N, C, spatial side, groups), swept over the spatial side."""
+    cases = []
+    for n, c, side, groups in configs:
+        def inputs(n=n, c=c, side=side):
+            return [_randn(n, c, side, side, shift=1.0), _randn(c, scale=0.1, shift=1.0), _randn(c, scale=0.1)]
+
+        def eager(x, w, b, groups=groups):
+            return eager_group_norm(x, groups, w, b)
+
+        impls = {"tigon": lambda x, w, b, groups=groups: TF.group_norm(x, groups, w, b),
+                 "torch eager": eager, "torch.compile": _compiled(eager)}
+        if liger:
+            impls["liger"] = lambda x, w, b, c=c, groups=groups: liger.liger_group_norm(x, w, b, c, groups, 1e-5)
+        # Fewest bytes: fwd reads x, writes y; bwd reads dy, x, writes dx.
+        cases.append(Case("group_norm", f"N{n} C{c} {side}x{side} G{groups}", inputs, impls,
+                          bytes_full=5 * n * c * side * side * 2, size=("spatial side", side)))
+    return cases
+
+
+def dyt_poly_norm_cases(rows_cols, liger):
+    cases = []
+    for m, n in rows_cols:
+        def dyt_inputs(m=m, n=n):
+            return [_randn(m, n), _randn(1, scale=0.0, shift=0.5), _randn(n, scale=0.1, shift=1.0),
+                    _randn(n, scale=0.1)]
+
+        impls = {"tigon": TF.dyt, "torch eager": eager_dyt, "torch.compile": _compiled(eager_dyt)}
+        if liger and hasattr(liger, "liger_dyt"):
+            impls["liger"] = liger.liger_dyt
+        cases.append(Case("dyt", f"{m}x{n}", dyt_inputs, impls, bytes_full=5 * m * n * 2, size=("hidden", n)))
+
+        def poly_inputs(m=m, n=n):
+            return [_randn(m, n), _randn(3, scale=0.1, shift=1 / 3), _randn(1, scale=0.1)]
+
+        impls = {"tigon": TF.poly_norm, "torch eager": eager_poly_norm, "torch.compile": _compiled(eager_poly_norm)}
+        if liger and hasattr(liger, "liger_poly_norm"):
+            # Liger's bias is a 0-dim tensor (its dbias has that shape).
+            impls["liger"] = lambda x, w, b: liger.liger_poly_norm(x, w, b.view(()), 1e-6)
+        cases.append(Case("poly_norm", f"{m}x{n}", poly_inputs, impls, bytes_full=5 * m * n * 2, size=("hidden", n)))
+    return cases
+
 
 def norm_cases(rows_cols, liger):
     cases = []
@@ -229,6 +294,91 @@ def mlp_cases(configs, liger):
     return cases
 
 
+def eager_relu_squared(x):
+    """transformers' ReLUSquaredActivation (ACT2FN["relu2"])."""
+    return torch.square(torch.relu(x))
+
+
+class EagerReLUSquaredMLP(torch.nn.Module):
+    """HF's NemotronMLP in plain torch: down_proj(relu(up_proj(x))^2)."""
+
+    def __init__(self, hidden, inter):
+        super().__init__()
+        self.up_proj = torch.nn.Linear(hidden, inter, bias=False)
+        self.down_proj = torch.nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(eager_relu_squared(self.up_proj(x)))
+
+
+def relu_squared_cases(rows_cols, liger):
+    cases = []
+    for m, n in rows_cols:
+        def inputs(m=m, n=n):
+            return [_randn(m, n, scale=2.0)]
+
+        impls = {"tigon": TF.relu_squared, "torch eager": eager_relu_squared,
+                 "torch.compile": _compiled(eager_relu_squared)}
+        if liger and hasattr(liger, "liger_relu_squared"):
+            impls["liger"] = liger.liger_relu_squared
+        # fwd reads x, writes y; bwd reads dy, x, writes dx.
+        cases.append(Case("relu_squared", f"{m}x{n}", inputs, impls, bytes_full=5 * m * n * 2, size=("tokens", m)))
+    return cases
+
+
+def _module_case(op, shape, modules, tokens, hidden, **case_args):
+    """A Case over MLP modules that share the eager module's weights (bf16); "torch.compile"
+    compiles "torch eager". Every module's parameters are inputs (their gradients are reset)."""
+    for mod in modules.values():
+        mod.to(device="cuda", dtype=torch.bfloat16)
+    for mod in modules.values():
+        mod.load_state_dict(modules["torch eager"].state_dict())
+    compiled = _compiled(modules["torch eager"])
+    impls = {name: (lambda x, *_, mod=mod: mod(x)) for name, mod in modules.items()}
+    impls["torch.compile"] = lambda x, *_: compiled(x)
+    all_params = [p for mod in modules.values() for p in mod.parameters()]
+
+    def inputs():
+        return [_randn(tokens, hidden), *all_params]
+
+    return Case(op, shape, inputs, impls, **case_args)
+
+
+def relu_squared_mlp_cases(configs):
+    """Nemotron's MLP; no Liger peer (Liger has the activation only)."""
+    from tigon.nn import TigonReLUSquaredMLP
+
+    return [_module_case("relu_squared_mlp", f"T{t} H{h} I{i}",
+                         {"torch eager": EagerReLUSquaredMLP(h, i), "tigon": TigonReLUSquaredMLP(h, i)}, t, h,
+                         flops_full=12 * t * h * i) for t, h, i in configs]
+
+
+def tiled_mlp_cases(configs, liger):
+    """A long-context SwiGLU MLP in token shards (ceil(T / H) of them) against the untiled MLPs:
+    time and peak memory. FLOPs: the untiled MLP's 18 T H I (the shards' recomputation is the
+    price of the memory)."""
+    from tigon.nn import TigonSwiGLUMLP, TigonTiledSwiGLUMLP
+
+    cases = []
+    for t, h, i in configs:
+        modules = {"torch eager": EagerSwiGLUMLP(h, i),
+                   "tigon": TigonTiledSwiGLUMLP(hidden_size=h, intermediate_size=i),
+                   "tigon, untiled": TigonSwiGLUMLP(hidden_size=h, intermediate_size=i)}
+        if liger:
+            try:
+                from types import SimpleNamespace
+
+                from liger_kernel.transformers import LigerTiledSwiGLUMLP
+
+                modules["liger"] = LigerTiledSwiGLUMLP(SimpleNamespace(hidden_size=h, intermediate_size=i,
+                                                                       hidden_act="silu"))
+            except ImportError:
+                pass
+        cases.append(_module_case("tiled_mlp", f"T{t} H{h} I{i}", modules, t, h, flops_full=18 * t * h * i,
+                                  size=("tokens", t)))
+    return cases
+
+
 def _cce():
     try:
         from cut_cross_entropy import linear_cross_entropy
@@ -293,6 +443,46 @@ def cross_entropy_cases(shapes, liger, grad_output_variant=True):
     return cases
 
 
+def vocab_parallel_ce_cases(shapes, liger):
+    """Vocab-parallel cross entropy, single-GPU stand-in: one rank (no collective) holding a shard
+    of V_r ids, swept over the shard width (V 128256 over TP 8, 2, 1). "tigon" at vocab_start 0
+    is tigon's cross_entropy (what one rank runs); "tigon, sharded kernels" runs a rank's two
+    passes of the several-rank path (row stats, then loss and gradient) without the all-gather of
+    [N + 1, 5] fp32 stats between them. The multi-GPU benchmark (TP > 1, with the collective)
+    belongs to the multi-GPU issue."""
+    from tigon.ops.vocab_parallel_cross_entropy import shard_options, sharded_cross_entropy
+
+    def sharded(logits, target):
+        grad = torch.is_grad_enabled() and logits.requires_grad
+        return sharded_cross_entropy(logits, target, None, 1, 0, shard_options(-100, "mean", 0.0, 0.0, None, False),
+                                     grad, inplace=True)[0]
+
+    liger_vp = None
+    try:
+        from liger_kernel.transformers import LigerVocabParallelCrossEntropy
+
+        liger_vp = LigerVocabParallelCrossEntropy()  # [S, B, V] in, per-token loss out
+    except Exception:
+        pass
+    cases = []
+    for rows, vocab in shapes:
+        def inputs(rows=rows, vocab=vocab):
+            return [_randn(rows, vocab, scale=2.0), _randint(vocab, rows)]
+
+        impls = {"tigon": functools.partial(TF.vocab_parallel_cross_entropy, vocab_start=0, inplace=True),
+                 "tigon, new gradient": functools.partial(TF.vocab_parallel_cross_entropy, vocab_start=0),
+                 "tigon, sharded kernels": sharded, "torch eager": eager_cross_entropy,
+                 "torch.compile": _compiled(eager_cross_entropy)}
+        if liger:
+            impls["liger"] = liger.liger_cross_entropy
+        if liger_vp is not None:
+            impls["liger, vocab-parallel"] = lambda logits, target: liger_vp(logits[:, None], target[:, None]).mean()
+        # Read the logits once and write their gradient once.
+        cases.append(Case("vocab_parallel_cross_entropy", f"BT{rows} V_r{vocab}", inputs, impls,
+                          bytes_full=2 * rows * vocab * 2, grad_output=1.0, size=("vocab shard", vocab)))
+    return cases
+
+
 def flce_cases(shapes, liger, cce, sweep_hidden=4096, grad_output_variant=True):
     """The shapes with hidden == sweep_hidden (and the same rows) form the plotted vocab sweep."""
     cases = []
@@ -316,6 +506,123 @@ def flce_cases(shapes, liger, cce, sweep_hidden=4096, grad_output_variant=True):
     return cases
 
 
+def eager_softmax(x):
+    return torch.softmax(x, -1)
+
+
+def eager_sparsemax(x):
+    """Sparsemax by sorting (Martins & Astudillo's algorithm), in fp32 as the kernels."""
+    z = x.float()
+    zs = torch.sort(z, dim=-1, descending=True).values
+    k = torch.arange(1, z.shape[-1] + 1, device=z.device, dtype=z.dtype)
+    cumsum = zs.cumsum(-1)
+    support = (1 + k * zs > cumsum).sum(-1, keepdim=True)
+    tau = (cumsum.gather(-1, support - 1) - 1) / support
+    return (z - tau).clamp_min(0).to(x.dtype)
+
+
+def eager_kl_div(x, t):
+    return torch.nn.functional.kl_div(x, t, reduction="batchmean")
+
+
+def eager_tvd(p, q):
+    """Liger's TVD (batchmean, no labels) in plain torch."""
+    return 0.5 * (p - q).abs().sum() / p.shape[0]
+
+
+def row_activation_cases(rows_cols, liger):
+    """softmax and sparsemax over the last dim, swept over its width (sparsemax: up to 65536)."""
+    cases = []
+    for m, n in rows_cols:
+        def inputs(m=m, n=n):
+            return [_randn(m, n, scale=2.0)]
+
+        for op, ours, eager, peer in (("softmax", TF.softmax, eager_softmax, "liger_softmax"),
+                                      ("sparsemax", TF.sparsemax, eager_sparsemax, "liger_sparsemax")):
+            if op == "sparsemax" and n > 65536:
+                continue
+            impls = {"tigon": ours, "torch eager": eager, "torch.compile": _compiled(eager)}
+            if liger and hasattr(liger, peer):
+                impls["liger"] = getattr(liger, peer)
+            # fwd reads x, writes y; bwd reads dy, y, writes dx.
+            cases.append(Case(op, f"{m}x{n}", inputs, impls, bytes_full=5 * m * n * 2, size=("width", n)))
+    return cases
+
+
+def distribution_loss_cases(shapes, liger):
+    """kl_div (input log-probabilities, target probabilities) and tvd (two probability rows),
+    reduction "batchmean", only the first input requiring grad (a student against a teacher)."""
+    cases = []
+    for rows, vocab in shapes:
+        def log_probs_and_probs(rows=rows, vocab=vocab):
+            x = torch.log_softmax(_randn(rows, vocab, scale=2.0, grad=False).float(), -1).to(torch.bfloat16)
+            t = torch.softmax(_randn(rows, vocab, scale=2.0, grad=False).float(), -1).to(torch.bfloat16)
+            return [x.requires_grad_(), t]
+
+        def two_probs(rows=rows, vocab=vocab):
+            p, q = (torch.softmax(_randn(rows, vocab, scale=2.0, grad=False).float(), -1).to(torch.bfloat16)
+                    for _ in range(2))
+            return [p.requires_grad_(), q]
+
+        impls = {"tigon": TF.kl_div, "torch eager": eager_kl_div, "torch.compile": _compiled(eager_kl_div)}
+        if liger and hasattr(liger, "liger_kl_div"):
+            impls["liger"] = lambda x, t: liger.liger_kl_div(x, t, reduction="batchmean")
+        # Read both inputs once, write the first one's gradient once.
+        cases.append(Case("kl_div", f"BT{rows} V{vocab}", log_probs_and_probs, impls, bytes_full=3 * rows * vocab * 2,
+                          grad_output=1.0, size=("vocab", vocab)))
+        impls = {"tigon": TF.tvd, "torch eager": eager_tvd, "torch.compile": _compiled(eager_tvd)}
+        if liger and hasattr(liger, "liger_tvd"):
+            impls["liger"] = lambda p, q: liger.liger_tvd(p, q, None, "batchmean")
+        cases.append(Case("tvd", f"BT{rows} V{vocab}", two_probs, impls, bytes_full=3 * rows * vocab * 2,
+                          grad_output=1.0, size=("vocab", vocab)))
+    return cases
+
+
+def eager_moe_experts(x, index, weights, gate_up, down):
+    """HF 5.x's default experts forward ("grouped_mm", transformers.integrations.moe) in plain
+    torch: the (token, slot) pairs sorted by expert, two grouped matmuls with SwiGLU between,
+    weighted and summed back per token."""
+    n_experts, top_k = gate_up.shape[0], index.shape[-1]
+    ids, perm = torch.sort(index.reshape(-1))
+    counts = torch.histc(ids.int() if ids.is_cuda else ids.float(), bins=n_experts, min=0, max=n_experts - 1)
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # histc, not bincount: no host sync (as HF)
+    grouped_mm = torch.nn.functional.grouped_mm
+    gate, up = grouped_mm(x[perm // top_k], gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+    y = grouped_mm(torch.nn.functional.silu(gate) * up, down.transpose(1, 2), offs=offsets)
+    y = y * weights.reshape(-1)[perm, None]
+    pairs = torch.zeros_like(y).index_copy(0, perm, y)  # back in (token, slot) order
+    return pairs.view(x.shape[0], top_k, -1).sum(1).to(x.dtype)
+
+
+def moe_cases(configs, liger):
+    """configs: (tokens, experts E, top-k K, hidden H, intermediate I, router weights' dtype,
+    swept). Routing from a random router (softmax top-k, renormalised). FLOPs: forward
+    2 TK H 2I + 2 TK I H, backward twice that."""
+    fused_moe = None
+    if liger:
+        try:
+            from liger_kernel.ops.fused_moe import LigerFusedMoEFunction as fused_moe
+        except Exception:  # noqa: BLE001 (this Liger has no fused MoE, or it does not import here)
+            fused_moe = None
+    cases = []
+    for tokens, experts, top_k, hidden, inter, w_dtype, swept in configs:
+        def inputs(tokens=tokens, experts=experts, top_k=top_k, hidden=hidden, inter=inter, w_dtype=w_dtype):
+            top = torch.softmax(_randn(tokens, experts, dtype=torch.float32, grad=False), -1).topk(top_k, -1)
+            weights = (top.values / top.values.sum(-1, keepdim=True)).to(w_dtype).requires_grad_()
+            gate_up = _randn(experts, 2 * inter, hidden, scale=hidden**-0.5)
+            down = _randn(experts, hidden, inter, scale=inter**-0.5)
+            return [_randn(tokens, hidden), top.indices, weights, gate_up, down]
+
+        impls = {"tigon": TF.moe_experts, "torch eager": eager_moe_experts,
+                 "torch.compile": _compiled(eager_moe_experts)}
+        if fused_moe is not None:
+            impls["liger"] = lambda x, index, w, gate_up, down: fused_moe.apply(x, gate_up, down, index.int(), w)
+        cases.append(Case("moe_experts", f"T{tokens} E{experts} K{top_k} H{hidden} I{inter}", inputs, impls,
+                          flops_full=3 * 6 * tokens * top_k * hidden * inter,
+                          size=("tokens", tokens) if swept else None))
+    return cases
+
+
 def all_cases(quick=False):
     liger = _liger()
     # Sweeps (one axis each, as the Liger paper plots them): hidden size for the norms, tokens for
@@ -330,6 +637,24 @@ def all_cases(quick=False):
     cases = (norm_cases(hidden, liger) + glu_cases(glu, liger) + rope_cases(rope, liger) + mlp_cases(mlp, liger)
              + cross_entropy_cases(ce, liger, not quick)
              + flce_cases(flce, liger, _cce(), grad_output_variant=not quick))
+    # One rank's shard of Llama 3's 128256 ids at TP 8, 2 and 1, 8192 tokens.
+    vocab_shards = [(8192, 128256)] if quick else [(8192, v) for v in (16032, 64128, 128256)]
+    cases += vocab_parallel_ce_cases(vocab_shards, liger)
+    # GroupNorm on UNet / VAE-like activations [32, 512, S, S] in 32 groups (C / G * S^2 elements a group).
+    spatial = [64] if quick else [32, 64, 128]
+    cases += group_norm_cases([(32, 512, side, 32) for side in spatial], liger) + dyt_poly_norm_cases(hidden, liger)
+    # softmax / sparsemax over vocabulary-like widths, 16384 rows; kl_div / tvd over BT 8192 and
+    # Llama 2's and 3's vocabularies.
+    widths = [(16384, 32768)] if quick else [(16384, n) for n in (4096, 16384, 32768, 128256)]
+    cases += row_activation_cases(widths, liger)
+    cases += distribution_loss_cases([(8192, 128256)] if quick else [(8192, v) for v in (32000, 128256)], liger)
+    # ReLU² over tokens x 14336 as the GLUs; Nemotron-like MLP; a long-context SwiGLU MLP in shards.
+    cases += relu_squared_cases(glu, liger) + relu_squared_mlp_cases([(8192, 4096, 16384)])
+    cases += tiled_mlp_cases([(65536, 4096, 14336)] if quick else [(t, 4096, 14336) for t in (16384, 65536)], liger)
+    # MoE experts: Qwen3-30B-A3B's layer (E 128, K 8, H 2048, I 768) over tokens; Mixtral-8x7B's at 8192.
+    moe_tokens = [16384] if quick else [8192, 16384, 32768]
+    cases += moe_cases([(t, 128, 8, 2048, 768, torch.bfloat16, True) for t in moe_tokens]
+                       + ([] if quick else [(8192, 8, 2, 4096, 14336, torch.float32, False)]), liger)
     missing = set(OP_NAMES) - {case.op for case in cases}
     if missing:
         raise ValueError(f"OP_NAMES lists ops with no case: {sorted(missing)}")
@@ -377,7 +702,8 @@ def run_case(case, quick, limits):
     return rows
 
 
-ISOLATED_OPS = ("cross_entropy", "fused_linear_cross_entropy")
+# Liger's kl_div and tvd sync with the host in their backward too (torch.equal on grad_output).
+ISOLATED_OPS = ("cross_entropy", "vocab_parallel_cross_entropy", "fused_linear_cross_entropy", "kl_div", "tvd")
 
 
 def _progress_bar(total):

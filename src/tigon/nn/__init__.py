@@ -1,9 +1,32 @@
 """nn.Module versions of the tigon ops, state-dict compatible with the HF modules they replace."""
 
-from tigon.nn.loss import TigonCrossEntropyLoss, TigonFusedLinearCrossEntropyLoss
-from tigon.nn.mlp import TigonGeGLUMLP, TigonSwiGLUMLP
-from tigon.nn.norms import TigonFusedAddRMSNorm, TigonLayerNorm, TigonRMSNorm
+from tigon.nn.activations import TigonSoftmax, TigonSparsemax
+from tigon.nn.loss import (
+    TigonCrossEntropyLoss,
+    TigonFusedLinearCrossEntropyLoss,
+    TigonKLDivLoss,
+    TigonTVDLoss,
+    TigonVocabParallelCrossEntropyLoss,
+)
+from tigon.nn.mlp import (
+    TigonGeGLUMLP,
+    TigonReLUSquaredMLP,
+    TigonSwiGLUMLP,
+    TigonTiledGeGLUMLP,
+    TigonTiledSwiGLUMLP,
+)
+from tigon.nn.norms import (
+    TigonDyT,
+    TigonFusedAddRMSNorm,
+    TigonGroupNorm,
+    TigonLayerNorm,
+    TigonPolyNorm,
+    TigonRMSNorm,
+)
 
 __all__ = [
-    "TigonCrossEntropyLoss", "TigonFusedLinearCrossEntropyLoss",
-    "TigonFusedAddRMSNorm", "TigonGeGLUMLP", "TigonLayerNorm", "TigonRMSNorm", "TigonSwiGLUMLP"]
+    "TigonKLDivLoss", "TigonSoftmax", "TigonSparsemax", "TigonTVDLoss",
+    "TigonCrossEntropyLoss", "TigonFusedLinearCrossEntropyLoss", "TigonVocabParallelCrossEntropyLoss",
+    "TigonFusedAddRMSNorm", "TigonGeGLUMLP", "TigonLayerNorm", "TigonRMSNorm", "TigonSwiGLUMLP",
+    "TigonDyT", "TigonGroupNorm", "TigonPolyNorm",
+    "TigonReLUSquaredMLP", "TigonTiledGeGLUMLP", "TigonTiledSwiGLUMLP"]

@@ -75,3 +75,62 @@ class TigonFusedLinearCrossEntropyLoss(nn.Module):
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"label_smoothing={self.label_smoothing}, lse_square_scale={self.lse_square_scale}, "
                 f"softcap={self.softcap}, chunk_budget={self.chunk_budget}")
+
+
+class TigonVocabParallelCrossEntropyLoss(nn.Module):
+    """Cross entropy over a vocabulary split across the ranks of ``group`` (tensor parallel),
+    called as ``loss_fn(logits, target)``: logits [..., V_r] this rank's shard (ids from
+    ``vocab_start``; None: gathered from the shard widths), target [...] global ids. Every rank
+    gets the whole loss. Options as ``TigonCrossEntropyLoss``; see
+    ``tigon.functional.vocab_parallel_cross_entropy``."""
+
+    def __init__(self, group=None, vocab_start: int | None = None, ignore_index: int = -100, reduction: str = "mean",
+                 label_smoothing: float = 0.0, lse_square_scale: float = 0.0, softcap: float | None = None,
+                 return_z_loss: bool = False, inplace: bool = False):
+        super().__init__()
+        self.group, self.vocab_start = group, vocab_start
+        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+        self.lse_square_scale, self.softcap, self.return_z_loss = lse_square_scale, softcap, return_z_loss
+        self.inplace = inplace
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor):
+        return TF.vocab_parallel_cross_entropy(
+            logits, target, group=self.group, vocab_start=self.vocab_start, ignore_index=self.ignore_index,
+            reduction=self.reduction, label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale,
+            softcap=self.softcap, return_z_loss=self.return_z_loss, inplace=self.inplace)
+
+    def extra_repr(self) -> str:
+        return (f"vocab_start={self.vocab_start}, ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                f"label_smoothing={self.label_smoothing}, lse_square_scale={self.lse_square_scale}, "
+                f"softcap={self.softcap}, inplace={self.inplace}")
+
+
+class TigonKLDivLoss(nn.Module):
+    """``nn.KLDivLoss`` computed by tigon's kernel, called as ``loss_fn(input, target)``: input
+    log-probabilities [..., V], target probabilities (log-probabilities with ``log_target``).
+    Default reduction "batchmean" (Liger's; torch's is "mean"); see ``tigon.functional.kl_div``."""
+
+    def __init__(self, reduction: str = "batchmean", log_target: bool = False):
+        super().__init__()
+        self.reduction, self.log_target = reduction, log_target
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return TF.kl_div(input, target, reduction=self.reduction, log_target=self.log_target)
+
+    def extra_repr(self) -> str:
+        return f"reduction={self.reduction!r}, log_target={self.log_target}"
+
+
+class TigonTVDLoss(nn.Module):
+    """Total variation distance (Liger's ``LigerTVDLoss``), called as ``loss_fn(p, q, labels=None)``
+    with probabilities p, q [..., V] and labels [...]; see ``tigon.functional.tvd``."""
+
+    def __init__(self, reduction: str = "batchmean", ignore_index: int = -100):
+        super().__init__()
+        self.reduction, self.ignore_index = reduction, ignore_index
+
+    def forward(self, p: torch.Tensor, q: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        return TF.tvd(p, q, labels, reduction=self.reduction, ignore_index=self.ignore_index)
+
+    def extra_repr(self) -> str:
+        return f"reduction={self.reduction!r}, ignore_index={self.ignore_index}"

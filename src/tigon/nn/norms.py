@@ -64,3 +64,55 @@ class TigonLayerNorm(nn.LayerNorm):
         if x.shape[-1] != self.normalized_shape[0]:
             raise ValueError(f"x's last dim is {x.shape[-1]} but this LayerNorm has {self.normalized_shape[0]}")
         return TF.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class TigonGroupNorm(nn.GroupNorm):
+    """nn.GroupNorm (x [N, C, *]) computed by tigon's kernels (same parameters and options)."""
+
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
+                 device=None, dtype=None):
+        super().__init__(num_groups, num_channels, eps, affine, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim < 2 or x.shape[1] != self.num_channels:
+            raise ValueError(f"x must be [N, {self.num_channels}, *] for this GroupNorm, got shape {tuple(x.shape)}")
+        return TF.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+
+
+class TigonDyT(nn.Module):
+    """Dynamic Tanh, ``gamma * tanh(alpha * x) + beta`` over the last dim (a norm's stand-in);
+    parameters ``alpha`` [1], ``gamma`` [hidden_size], ``beta`` [hidden_size] (None with
+    ``beta=False``), as Liger's LigerDyT."""
+
+    def __init__(self, hidden_size: int, init_alpha: float = 0.5, beta: bool = True, device=None, dtype=None):
+        super().__init__()
+        self.hidden_size, self.init_alpha = hidden_size, init_alpha
+        self.alpha = nn.Parameter(torch.full((1,), float(init_alpha), device=device, dtype=dtype))
+        self.gamma = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        if beta:
+            self.beta = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype))
+        else:
+            self.register_parameter("beta", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return TF.dyt(x, self.alpha, self.gamma, self.beta)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, init_alpha={self.init_alpha}, beta={self.beta is not None}"
+
+
+class TigonPolyNorm(nn.Module):
+    """PolyNorm over the last dim: ``weight`` [3] (1/3 each) and ``bias`` [1] (0), as PolyCom's
+    reference module (and Motif's), whose state dict loads unchanged."""
+
+    def __init__(self, eps: float = 1e-6, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((3,), 1.0 / 3.0, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(1, device=device, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return TF.poly_norm(x, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}"

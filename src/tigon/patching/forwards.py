@@ -23,14 +23,16 @@ from tigon.ops.cross_entropy import deferred_label_checks
 from tigon.ops.glu import TORCH_ACTIVATIONS
 from tigon.ops.glu_mlp import gated_mlp, glu_down
 
-
 # The patched forwards call tigon's ops, which are torch.library custom ops: torch.compile
 # traces a patched model with each op as one node of its graph (no graph break).
 _rms_norm = TF.rms_norm
+_layer_norm = TF.layer_norm
 _rope = TF.apply_rotary_pos_emb
 _glu = TF.glu
 _glu_down = glu_down
 _gated_mlp = gated_mlp
+_relu_squared = TF.relu_squared
+_relu_squared_mlp = TF.relu_squared_mlp
 
 
 def _deferring_label_checks(fn):
@@ -64,10 +66,41 @@ def norm_eps(module: nn.Module) -> float:
 
 
 def make_rms_norm_forward(casting: str, offset: float):
-    def forward(self, hidden_states):
-        return _rms_norm(hidden_states, self.weight, norm_eps(self), offset, casting)
+    def forward(self, hidden_states):  # a norm without weight: no scaling (Gemma 4's with_scale=False, L2 norms)
+        return _rms_norm(hidden_states, getattr(self, "weight", None), norm_eps(self), offset, casting)
 
     forward._tigon = f"rms_norm(casting={casting}, offset={offset:g})"
+    return forward
+
+
+# ---- LayerNorm ----
+
+def make_layer_norm_forward(offset: float):
+    """F.layer_norm(x, weight + offset, bias, eps) as Nemotron's LayerNorm1P computes it: under
+    (CUDA) autocast, x, weight and bias are cast to the autocast dtype first."""
+    def forward(self, x):
+        weight, bias = self.weight, self.bias
+        if weight is not None and offset:
+            weight = weight + offset
+        if torch.is_autocast_enabled() and x.is_floating_point():
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight, bias = (None if t is None else t.to(dtype) for t in (x, weight, bias))
+        return _layer_norm(x, weight, bias, self.eps)
+
+    forward._tigon = f"layer_norm(offset={offset:g})"
+    return forward
+
+
+def make_torch_layer_norm_forward():
+    """torch's nn.LayerNorm (vision towers, projectors) on tigon's LayerNorm; under autocast in
+    fp32, as autocast runs torch's layer_norm."""
+    def forward(self, x):
+        weight, bias = self.weight, self.bias
+        if torch.is_autocast_enabled() and x.is_floating_point():
+            x, weight, bias = (None if t is None else t.float() for t in (x, weight, bias))
+        return _layer_norm(x, weight, bias, self.eps)
+
+    forward._tigon = "layer_norm (nn.LayerNorm)"
     return forward
 
 
@@ -146,6 +179,35 @@ def make_mlp_forward(layout: str, keep_input_only: bool = False):
     return forward
 
 
+def check_relu_squared_activation(module: nn.Module) -> None:
+    """The MLP's activation is relu(x)^2 (found by evaluating it), else an error."""
+    act = activation_module(module)
+    key = (type(act), "relu2")
+    if key not in _ACTIVATION_OF:
+        try:
+            with torch.no_grad():
+                ok = torch.allclose(act(_PROBE.to(torch.float32)).to(torch.float64), torch.relu(_PROBE) ** 2,
+                                    atol=1e-5, rtol=1e-5)
+        except (RuntimeError, TypeError, ValueError):  # an activation we cannot evaluate is one we do not know
+            ok = False
+        if not ok:
+            raise TigonPatchError(f"{type(module).__name__}: activation {act!r} is not ReLU², which tigon fuses in "
+                                  "this MLP; patch with swiglu=False")
+        _ACTIVATION_OF[key] = "relu2"
+
+
+def relu_squared_mlp_forward(self, x):
+    """down_proj(relu(up_proj(x))^2), non-gated (Nemotron): one op for plain nn.Linear layers
+    (tigon.ops.relu_squared_mlp), else the layers' own forwards around tigon's ReLU²."""
+    up, down = self.up_proj, self.down_proj
+    if type(up) is nn.Linear and type(down) is nn.Linear:
+        return _relu_squared_mlp(x, up.weight, down.weight, up.bias, down.bias)
+    return down(_relu_squared(up(x)))
+
+
+relu_squared_mlp_forward._tigon = "ReLU² MLP"
+
+
 def tigon_apply_gate(self, gate_up_out):
     """HF's MoE ``_apply_gate``: act(gate) * up of a [S, 2I] gate/up projection, fused."""
     gate, up = gate_up_out.chunk(2, dim=-1)
@@ -184,10 +246,96 @@ def tigon_apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
     position_ids = kwargs.pop("position_ids", None)
     if args:  # old signature (q, k, cos, sin, position_ids, unsqueeze_dim): HF ignored position_ids
         unsqueeze_dim = args[1] if len(args) > 1 else unsqueeze_dim
+    if unsqueeze_dim == 0 and cos.ndim == 2:  # Pixtral: cos [T, R] shared by every image and head
+        unsqueeze_dim = 1
     return _rope(q, k, cos, sin, position_ids, unsqueeze_dim)
 
 
 tigon_apply_rotary_pos_emb._tigon = "rope"
+
+
+def tigon_apply_rotary_pos_emb_half_angles(q, k, cos, sin, unsqueeze_dim=1):
+    """Drop-in for GPT-OSS's ``apply_rotary_pos_emb``: halves rotate as with rotate_half, cos and
+    sin [.., R/2] hold one angle per pair."""
+    return _rope(q, k, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1), None, unsqueeze_dim)
+
+
+tigon_apply_rotary_pos_emb_half_angles._tigon = "rope (half_angles)"
+
+
+def _pairs_to_halves(x):
+    """x [..., D] with adjacent pairs (x[2j], x[2j+1]) laid out as halves: the even elements, then the odd."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+def tigon_apply_rotary_pos_emb_pairs_to_halves(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """Drop-in for DeepSeek-V3's ``apply_rotary_pos_emb_interleave``: adjacent pairs rotate, the
+    result is laid out in halves (HF ignores position_ids). The pairs are gathered into halves
+    (one copy of q and k) and rotated as rotate_half does, with HF's cos / sin [.., D] = cat(f, f)."""
+    return _rope(_pairs_to_halves(q), _pairs_to_halves(k), cos, sin, None, unsqueeze_dim)
+
+
+tigon_apply_rotary_pos_emb_pairs_to_halves._tigon = "rope (pairs_to_halves)"
+
+
+def tigon_apply_rotary_emb_complex(xq, xk, freqs_cis):
+    """Drop-in for DeepSeek-V2's ``apply_rotary_emb``: adjacent pairs of xq, xk [B, H, T, R] times
+    freqs_cis [B, T, R/2] (complex) as complex numbers."""
+    angles = torch.view_as_real(freqs_cis)
+    return _rope(xq, xk, angles[..., 0], angles[..., 1], None, 1, interleaved=True)
+
+
+tigon_apply_rotary_emb_complex._tigon = "rope (complex)"
+
+
+def tigon_apply_rotary_emb_complex_bthd(xq, xk, freqs_cis):
+    """Drop-in for Llama 4's ``apply_rotary_emb``: as "complex" with xq, xk [B, T, H, R] and
+    freqs_cis [B, T, R/2]."""
+    angles = torch.view_as_real(freqs_cis)
+    return _rope(xq, xk, angles[..., 0], angles[..., 1], None, 2, interleaved=True)
+
+
+tigon_apply_rotary_emb_complex_bthd._tigon = "rope (complex_bthd)"
+
+
+def tigon_apply_rotary_pos_emb_interleaved(q, k, cos, sin, unsqueeze_dim=1):
+    """Drop-in for GLM-4V's ``apply_rotary_pos_emb``: adjacent pairs rotate (``rotate_half_llm``)
+    and cos / sin [.., R] hold each pair's angle twice (``repeat_interleave(2)``); R <= D."""
+    return _rope(q, k, cos[..., ::2], sin[..., ::2], None, unsqueeze_dim, interleaved=True)
+
+
+tigon_apply_rotary_pos_emb_interleaved._tigon = "rope (interleaved)"
+
+
+def tigon_apply_rotary_pos_emb_vision(q, k, cos, sin):
+    """Drop-in for the Qwen-VL / GLM-4V vision towers' ``apply_rotary_pos_emb_vision``: q, k
+    [T, H, D] (the images' patches in one sequence), cos, sin [T, D]; fp32 arithmetic, results
+    in q's dtype as HF's."""
+    q_out, k_out = _rope(q.unsqueeze(0), k.unsqueeze(0), cos, sin, None, 2)
+    return q_out[0], k_out[0]
+
+
+tigon_apply_rotary_pos_emb_vision._tigon = "rope (vision)"
+
+
+# HF's RoPE forms (families.Family.rope_form) -> tigon's drop-in.
+ROPE_FORMS = {
+    "half": tigon_apply_rotary_pos_emb,
+    "half_angles": tigon_apply_rotary_pos_emb_half_angles,
+    "pairs_to_halves": tigon_apply_rotary_pos_emb_pairs_to_halves,
+    "complex": tigon_apply_rotary_emb_complex,
+    "complex_bthd": tigon_apply_rotary_emb_complex_bthd,
+    "interleaved": tigon_apply_rotary_pos_emb_interleaved,
+    "vision": tigon_apply_rotary_pos_emb_vision,
+}
+
+
+def rope_drop_in(form: str):
+    """tigon's function for a RoPE form of ROPE_FORMS."""
+    if form not in ROPE_FORMS:
+        raise ValueError(f"unknown RoPE form {form!r}; the forms are {list(ROPE_FORMS)}")
+    return ROPE_FORMS[form]
+
 
 # RoPE is a module-level function of HF's modeling files, called by the attention modules. An
 # instance patch must change one model only. A patched attention module runs a copy of its
@@ -199,21 +347,24 @@ tigon_apply_rotary_pos_emb._tigon = "rope"
 _ROPE_SCOPE = ThreadFlag()
 
 
-def make_rope_dispatcher(original):
-    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+def make_rope_dispatcher(original, drop_in=None):
+    """``drop_in``: tigon's function for the form of ``original`` (None: the "half" form's)."""
+    def apply_rotary_pos_emb(*args, **kwargs):
         if _ROPE_SCOPE.on:
-            return tigon_apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs)
-        return original(q, k, cos, sin, *args, **kwargs)
+            return (drop_in or tigon_apply_rotary_pos_emb)(*args, **kwargs)
+        return original(*args, **kwargs)
 
     apply_rotary_pos_emb._tigon = "rope (inside patched models' attention only)"
     apply_rotary_pos_emb._tigon_original = original
     return apply_rotary_pos_emb
 
 
-def make_rope_scope(forward, rope_name: str):
-    """An attention module's forward that runs ``forward`` with tigon's RoPE (see above)."""
-    if isinstance(forward, types.FunctionType) and rope_name in forward.__code__.co_names:
-        scoped = types.FunctionType(forward.__code__, {**forward.__globals__, rope_name: tigon_apply_rotary_pos_emb},
+def make_rope_scope(forward, drop_ins: dict):
+    """An attention module's forward that runs ``forward`` with tigon's RoPE (see above).
+    ``drop_ins``: HF's RoPE function names -> tigon's functions (None: the "half" form's)."""
+    if isinstance(forward, types.FunctionType) and any(n in forward.__code__.co_names for n in drop_ins):
+        ours = {name: fn or tigon_apply_rotary_pos_emb for name, fn in drop_ins.items()}
+        scoped = types.FunctionType(forward.__code__, {**forward.__globals__, **ours},
                                     forward.__name__, forward.__defaults__, forward.__closure__)
         scoped.__kwdefaults__ = forward.__kwdefaults__
         scoped.__qualname__, scoped.__module__ = forward.__qualname__, forward.__module__
@@ -384,16 +535,21 @@ def make_ignore_causal_mask_sdpa(original):
     return _ignore_causal_mask_sdpa
 
 
-def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mode="flce", chunk_budget=None):
+def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mode="flce", chunk_budget=None,
+                           multiplier_attr=None, composite=False):
     """Wrap a *ForCausalLM.forward. With labels and the model in training (or ``skip_logits=True``),
     mode "flce" computes the loss from the last hidden state and the lm_head weight without the
     logits (``logits`` is None in the output); mode "cross_entropy" computes the logits as HF
     does and the loss with tigon's cross entropy. Without labels, or in eval, HF's forward runs
     unchanged. Honours num_items_in_batch, shift_labels, ignore_index, logits_to_keep, Gemma's
-    final_logit_softcapping, Granite's logits_scaling and MoE auxiliary losses. ``chunk_budget``:
+    final_logit_softcapping, Granite's logits_scaling, Falcon-H1's lm_head_multiplier
+    (``multiplier_attr``) and MoE auxiliary losses. ``chunk_budget``:
     bytes of logits an FLCE chunk may hold (None: FLCE's default, 512 MiB). With tied input and
     output embeddings, the embedding runs on tigon's op during the call and the two share one
-    [V, H] gradient buffer (see tigon.ops.embedding)."""
+    [V, H] gradient buffer (see tigon.ops.embedding). ``composite``: an image+text
+    *ForConditionalGeneration, whose logit transforms and auxiliary-loss coefficient are read from
+    its text config, and whose positions HF may build itself (multimodal RoPE, image-token masks:
+    the generated-positions shortcuts stay off)."""
     # The arguments are bound by name with plain dict operations (inspect.Signature.bind breaks
     # torch.compile's graph): HF's forwards take named parameters, then **kwargs.
     params = list(inspect.signature(original).parameters.values())[1:]
@@ -419,8 +575,8 @@ def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mo
         head = self.get_output_embeddings()
         captured = {}
 
-        generated = all(call.get(name) is None for name in ("position_ids", "attention_mask", "past_key_values",
-                                                            "inputs_embeds"))
+        generated = not composite and all(call.get(name) is None for name in (
+            "position_ids", "attention_mask", "past_key_values", "cache", "inputs_embeds"))
         slot = embed = None
         if mode == "flce" and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             # One [V, H] gradient for the tied head and embedding: eager only (see tigon.ops.embedding).
@@ -435,7 +591,7 @@ def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mo
         target = shifted_labels(labels, call.get("shift_labels"), ignore_index)
         num_items = call.get("num_items_in_batch")
         reduction = "sum" if num_items is not None else "mean"
-        config = self.config
+        config = self.config.get_text_config() if composite else self.config
         softcap = getattr(config, softcap_attr, None) if softcap_attr else None
         if mode == "flce":
             hidden = captured["hidden"]
@@ -443,6 +599,8 @@ def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mo
                 target = target[..., -hidden.shape[-2]:]
             if divisor_attr and getattr(config, divisor_attr, None):
                 hidden = hidden / getattr(config, divisor_attr)
+            if multiplier_attr and getattr(config, multiplier_attr, None) is not None:
+                hidden = hidden * getattr(config, multiplier_attr)
             loss = _flce(hidden, head.weight, target.to(hidden.device), head.bias, ignore_index=ignore_index,
                          reduction=reduction, softcap=softcap, chunk_budget=chunk_budget, tied_slot=slot)
             logits = None
@@ -455,8 +613,9 @@ def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mo
         if num_items is not None:
             loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
         aux = getattr(out, "aux_loss", None)
-        if aux is not None and getattr(self, "router_aux_loss_coef", None):
-            loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
+        aux_coef = getattr(config if composite else self, "router_aux_loss_coef", None)
+        if aux is not None and aux_coef:
+            loss = loss + aux_coef * aux.to(loss.device)
         fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
         result = type(out)(loss=loss, logits=logits, **fields)
         return result.to_tuple() if return_dict is False else result

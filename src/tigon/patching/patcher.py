@@ -39,19 +39,24 @@ from tigon.patching.forwards import (
     IGNORE_CAUSAL_MASK_PARAMS,
     TigonPatchError,
     activation_module,
+    check_relu_squared_activation,
     identify_activation,
     make_capturing_head_forward,
     make_causal_lm_forward,
     make_experts_forward,
     make_find_packed_sequence_indices,
     make_ignore_causal_mask_sdpa,
+    make_layer_norm_forward,
     make_mlp_forward,
     make_rms_norm_forward,
     make_rope_dispatcher,
     make_rope_scope,
+    make_torch_layer_norm_forward,
     mlp_activation,
     mlp_multipliers,
     norm_eps,
+    relu_squared_mlp_forward,
+    rope_drop_in,
     tigon_apply_gate,
     tigon_apply_rotary_pos_emb,
 )
@@ -62,10 +67,11 @@ log = logging.getLogger("tigon")
 @dataclass(frozen=True)
 class PatchOptions:
     """What a patch replaces. rope: HF's apply_rotary_pos_emb; rms_norm: every RMSNorm;
-    swiglu: the gated MLP's activation (SwiGLU / GeGLU, and MoE experts' gates);
+    swiglu: the MLPs' activation (gated SwiGLU / GeGLU, non-gated ReLU², MoE experts' gates);
     fused_linear_cross_entropy: the training loss from the last hidden state, without the
     logits; cross_entropy: the loss with tigon's cross entropy over materialised logits
-    (instead of FLCE); chunk_budget: bytes of logits an FLCE chunk may hold (None: 512 MiB)."""
+    (instead of FLCE); chunk_budget: bytes of logits an FLCE chunk may hold (None: 512 MiB);
+    layer_norm: the LayerNorms a family row names (Nemotron's LayerNorm1P)."""
 
     rope: bool = True
     rms_norm: bool = True
@@ -73,6 +79,7 @@ class PatchOptions:
     fused_linear_cross_entropy: bool = True
     cross_entropy: bool = False
     chunk_budget: int | None = None
+    layer_norm: bool = True
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -304,18 +311,23 @@ def _modeling(family: Family):
 
 
 def _hf(module, family: Family, name: str, piece: str):
-    obj = getattr(module, name, None)
+    obj = module
+    for part in name.split("."):  # "nn.LayerNorm": torch's class, as the modeling file names it
+        obj = getattr(obj, part, None)
     if obj is None:
         raise TigonPatchError(f"{family.name}: transformers {_transformers_version()} has no {name} in "
                               f"{module.__name__} (needed by the {piece} patch)")
     return obj
 
 
-def _check_rope_signature(fn, family):
+def _check_rope_signature(fn, family, form):
+    """fn's leading parameters are those of tigon's drop-in for RoPE form ``form``."""
+    ours = [p.name for p in inspect.signature(rope_drop_in(form)).parameters.values()
+            if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD][:4]
     params = list(inspect.signature(fn).parameters)
-    if params[:4] != ["q", "k", "cos", "sin"]:
-        raise TigonPatchError(f"{family.name}: {fn.__module__}.{fn.__name__} takes {params}, not (q, k, cos, sin, ...)"
-                              " as tigon's RoPE expects")
+    if params[:len(ours)] != ours:
+        raise TigonPatchError(f"{family.name}: {fn.__module__}.{fn.__name__} takes {params}, "
+                              f"not ({', '.join(ours)}, ...) as tigon's RoPE expects")
 
 
 def single_input_forward(cls) -> bool:
@@ -357,7 +369,53 @@ def _forward_before_tigon(inst):
 
 
 def apply_family(family: Family, options: PatchOptions | None = None, model: nn.Module | None = None) -> PatchReport:
-    """Patch the classes of ``family`` (model None) or the modules of ``model``; see patch_<family>."""
+    """Patch the classes of ``family`` (model None) or the modules of ``model``; see patch_<family>.
+    A vision-language row's sub-models get their own rows too (``_sub_families``), without their
+    loss: the row's *ForConditionalGeneration owns it. On an error nothing stays changed."""
+    opts = patch_options(options)
+    report = _apply_row(family, opts, model)
+    rows = _sub_families(family, model, report)
+    if rows:
+        sub_opts = dataclasses.replace(opts, fused_linear_cross_entropy=False, cross_entropy=False)
+        try:
+            for row in rows:
+                sub = _apply_row(row, sub_opts, model)
+                report.replaced += sub.replaced
+                report.skipped += [(piece, f"{row.name}: {why}") for piece, why in sub.skipped]
+                report.undo += sub.undo
+        except BaseException:
+            _undo(report.undo)
+            raise
+        log.info("%s", report)
+    return report
+
+
+def _sub_families(family: Family, model: nn.Module | None, report: PatchReport) -> list[Family]:
+    """The rows of a vision-language model's sub-models: for a built model, those of its
+    sub-configs' model types (config.text_config, config.vision_config, ...), a sub-config of
+    the row's own package being the row's; for class patches, the row's ``parts``."""
+    if model is None:
+        return [_family_by_name(name) for name in family.parts]
+    config = getattr(model, "config", None)
+    rows = []
+    package = family.module.rsplit(".", 1)[0] + "."
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        model_type = getattr(sub, "model_type", None)
+        if model_type is None:
+            continue
+        row = BY_MODEL_TYPE.get(model_type)
+        if row is None:
+            if not type(sub).__module__.startswith(package):
+                why = f"{key} ({model_type}): no row in tigon.FAMILIES; only what {family.name}'s row names is patched"
+                report.skipped.append(("sub-model", why))
+        elif row is not family and row not in rows:
+            rows.append(row)
+    return rows
+
+
+def _apply_row(family: Family, options: PatchOptions, model: nn.Module | None) -> PatchReport:
+    """One row's patches (apply_family without the sub-models' rows)."""
     opts = patch_options(options)
     mod = _modeling(family)
     report = PatchReport(family.name, type(model).__name__ if model is not None else f"{family.module} classes")
@@ -366,20 +424,36 @@ def apply_family(family: Family, options: PatchOptions | None = None, model: nn.
     norm_classes = [_hf(mod, family, n, "rms_norm") for n in family.rms_norms] if opts.rms_norm else []
     for cls in norm_classes:
         _check_single_input(cls, family, "rms_norm")
+    layer_norm_classes = [_hf(mod, family, n, "layer_norm") for n in family.layer_norms] if opts.layer_norm else []
+    for cls in layer_norm_classes:
+        _check_single_input(cls, family, "layer_norm")
     mlp_classes = [_hf(mod, family, n, "swiglu") for n in family.mlps] if opts.swiglu else []
     for cls in mlp_classes:
         _check_single_input(cls, family, "swiglu")
+    relu2_classes = [_hf(mod, family, n, "swiglu") for n in family.relu2_mlps] if opts.swiglu else []
+    for cls in relu2_classes:
+        _check_single_input(cls, family, "swiglu")
     experts_class = _hf(mod, family, family.experts, "swiglu") if opts.swiglu and family.experts else None
-    lm_class = _hf(mod, family, family.causal_lm, "loss") if opts.loss else None
-    rope_fn = None
+    # The causal LM and / or the image+text model: (class, is the image+text one)
+    lm_classes = [(_hf(mod, family, name, "loss"), composite) for name, composite in
+                  ((family.causal_lm, False), (family.conditional_generation, True)) if name] if opts.loss else []
+    vision_mlp_classes = [_hf(mod, family, n, "swiglu") for n in family.vision_mlps] if opts.swiglu else []
+    for cls in vision_mlp_classes:
+        _check_single_input(cls, family, "swiglu")
+    ropes = []  # (name, form, the module's function)
     if opts.rope and family.rope:
-        rope_fn = _hf(mod, family, family.rope, "rope")
-        _check_rope_signature(getattr(rope_fn, "_tigon_original", rope_fn), family)
+        for name, form in ((family.rope, family.rope_form), *family.more_ropes):
+            fn = _hf(mod, family, name, "rope")
+            _check_rope_signature(getattr(fn, "_tigon_original", fn), family, form)
+            ropes.append((name, form, fn))
     elif opts.rope:
         report.skipped.append(("rope", family.note or "no RoPE patch for this family"))
-    if model is not None and lm_class is not None and not any(type(m) is lm_class for m in model.modules()):
-        report.skipped.append(("loss", f"the model is not a {family.causal_lm}"))
-        lm_class = None
+    report.skipped += [(piece, why) for piece, why in family.left_to_hf if getattr(opts, piece, True)]
+    if model is not None and lm_classes:
+        present = [(cls, c) for cls, c in lm_classes if any(type(m) is cls for m in model.modules())]
+        if not present:
+            report.skipped.append(("loss", f"the model is not a {' or a '.join(c.__name__ for c, _ in lm_classes)}"))
+        lm_classes = present
     if experts_class is not None and model is not None:
         for e in _instances(model, experts_class):
             for attr in ("gate_up_proj", "down_proj"):
@@ -387,14 +461,26 @@ def apply_family(family: Family, options: PatchOptions | None = None, model: nn.
                     raise TigonPatchError(f"{family.name}: {experts_class.__name__}.{attr} is not a stacked "
                                           "[experts, out, in] parameter in this transformers version")
     if model is not None:
+        for cls in layer_norm_classes:
+            for inst in _instances(model, cls):
+                if len(inst.normalized_shape) != 1:
+                    raise TigonPatchError(f"{family.name}: {cls.__name__} normalises over {inst.normalized_shape}, "
+                                          "not the last dim only as tigon's layer_norm does")
         # Found now, not at the first forward (which torch.compile may be tracing: evaluating
         # the activation there would break its graph); raises for an activation tigon does not fuse.
-        for cls in mlp_classes + ([experts_class] if experts_class is not None else []):
+        for cls in mlp_classes + vision_mlp_classes + ([experts_class] if experts_class is not None else []):
             for inst in _instances(model, cls):
                 mlp_activation(inst)
+        for cls in relu2_classes:
+            for inst in _instances(model, cls):
+                check_relu_squared_activation(inst)
 
     def put(owner_cls, name, fn, piece, what):
         if model is None:
+            if not owner_cls.__module__.startswith("transformers."):  # torch's nn.LayerNorm: not process-wide
+                why = f"{owner_cls.__module__}.{owner_cls.__qualname__} is not HF's class: patched in built models only"
+                report.skipped.append((piece, why))
+                return
             _set_shared(owner_cls, name, fn, undo)
             report.replaced.append((piece, what, "class"))
             return
@@ -407,22 +493,34 @@ def apply_family(family: Family, options: PatchOptions | None = None, model: nn.
     for cls in norm_classes:
         put(cls, "forward", make_rms_norm_forward(family.rms_casting, family.rms_offset), "rms_norm",
             f"{cls.__name__} (casting={family.rms_casting}, offset={family.rms_offset:g})")
+    for cls in layer_norm_classes:
+        if cls is nn.LayerNorm:
+            put(cls, "forward", make_torch_layer_norm_forward(), "layer_norm", "nn.LayerNorm")
+            continue
+        put(cls, "forward", make_layer_norm_forward(family.layer_norm_offset), "layer_norm",
+            f"{cls.__name__} (offset={family.layer_norm_offset:g})")
     for cls in mlp_classes:
         keep_input_only = not family.mlp_output_saved and family.mlp_layout == "gate_up_down"
         put(cls, "forward", make_mlp_forward(family.mlp_layout, keep_input_only), "swiglu",
             f"{cls.__name__} ({family.mlp_layout}{'; only its input kept under checkpointing' if keep_input_only else ''})")
+    for cls in vision_mlp_classes:  # biases, non-Linear projections: the plain fused path (keeps gate / up)
+        put(cls, "forward", make_mlp_forward("gate_up_down", keep_input_only=False), "swiglu",
+            f"{cls.__name__} (gate_up_down, vision tower)")
+    for cls in relu2_classes:
+        put(cls, "forward", relu_squared_mlp_forward, "swiglu", f"{cls.__name__} (ReLU², non-gated)")
     if experts_class is not None:
         put(experts_class, "forward", make_experts_forward(experts_class.forward), "swiglu",
             f"{experts_class.__name__} (eager loop)")
         put(experts_class, "_apply_gate", tigon_apply_gate, "swiglu", f"{experts_class.__name__}._apply_gate")
-    if rope_fn is not None:
-        _patch_rope(mod, family, rope_fn, model, report)
-    if lm_class is not None:
+    if ropes:
+        _patch_rope(mod, ropes, model, report)
+    for lm_class, composite in lm_classes:
         mode = "flce" if opts.fused_linear_cross_entropy else "cross_entropy"
         original = lm_class.forward
         original = getattr(original, "_tigon_original", original)
         fwd = make_causal_lm_forward(original, softcap_attr=family.logit_softcap, divisor_attr=family.logit_divisor,
-                                     mode=mode, chunk_budget=opts.chunk_budget)
+                                     mode=mode, chunk_budget=opts.chunk_budget,
+                                     multiplier_attr=family.logit_multiplier, composite=composite)
         fwd._tigon_original = original
         put(lm_class, "forward", fwd, "loss", f"{lm_class.__name__} ({fwd._tigon})")
         if model is not None and mode == "flce":
@@ -430,29 +528,36 @@ def apply_family(family: Family, options: PatchOptions | None = None, model: nn.
                 head = lm.get_output_embeddings()
                 if isinstance(head, nn.Module):
                     _set_instance(head, "forward", make_capturing_head_forward(_forward_before_tigon(head)), undo)
+    if lm_classes:
         _patch_mask_helpers(report)
     log.info("%s", report)
     return report
 
 
-def _patch_rope(mod, family, rope_fn, model, report):
-    """Classes: the module's RoPE function becomes tigon's. A model: its attention modules run
-    with tigon's RoPE (see make_rope_scope), and the function becomes a dispatcher (once)."""
-    where = f"{mod.__name__}.{family.rope}"
+def _patch_rope(mod, ropes, model, report):
+    """Classes: the module's RoPE functions (``ropes``: (name, form, function)) become tigon's. A
+    model: its attention modules run with tigon's RoPE (see make_rope_scope), and the functions
+    become dispatchers (once)."""
+    where = ", ".join(f"{mod.__name__}.{name}" for name, _, _ in ropes)
     if model is None:
-        if rope_fn is not tigon_apply_rotary_pos_emb:
-            _set_shared(mod, family.rope, tigon_apply_rotary_pos_emb, report.undo)
+        for name, form, fn in ropes:
+            if fn is not rope_drop_in(form):
+                _set_shared(mod, name, rope_drop_in(form), report.undo)
         report.replaced.append(("rope", where, "module-wide"))
         return
     attention = [m for m in model.modules()
-                 if type(m).__module__ == mod.__name__ and _calls_function(type(m), family.rope)]
+                 if type(m).__module__ == mod.__name__ and any(_calls_function(type(m), n) for n, _, _ in ropes)]
     if not attention:
         report.skipped.append(("rope", f"no module of this model calls {where}"))
         return
-    if getattr(rope_fn, "_tigon", None) is None:  # HF's own function: put the dispatcher in front of it
-        _set_shared(mod, family.rope, make_rope_dispatcher(rope_fn), report.undo)
+    drop_ins = {}
+    for name, form, fn in ropes:
+        ours = rope_drop_in(form)
+        drop_ins[name] = None if ours is tigon_apply_rotary_pos_emb else ours  # None: looked up when called
+        if getattr(fn, "_tigon", None) is None:  # HF's own function: put the dispatcher in front of it
+            _set_shared(mod, name, make_rope_dispatcher(fn, drop_ins[name]), report.undo)
     for inst in attention:
-        _set_instance(inst, "forward", make_rope_scope(_forward_before_tigon(inst), family.rope), report.undo)
+        _set_instance(inst, "forward", make_rope_scope(_forward_before_tigon(inst), drop_ins), report.undo)
     report.replaced.append(("rope", f"{where} in {type(attention[0]).__name__}", str(len(attention))))
 
 
@@ -592,7 +697,7 @@ def patch(model: nn.Module, options: PatchOptions | None = None, **kwargs) -> Pa
     what tigon recognises by structure (RMSNorm-like modules whose output matches a known
     formula, gate/up/down MLPs with a fused activation). Options: a PatchOptions and/or its
     fields as keywords (rope, rms_norm, swiglu, fused_linear_cross_entropy, cross_entropy,
-    chunk_budget). Warns when nothing was patched."""
+    chunk_budget, layer_norm). Warns when nothing was patched."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module (a built model), got {type(model).__name__}; "
                         "to patch a family's classes use tigon.patch_<family>()")
@@ -630,7 +735,7 @@ def family_patcher(name: str):
         f"Patch {name} ({', '.join(family.model_types)}): the classes in {family.module} before a model is "
         "built (model None: every model of the family in this process), or the modules of an already-built "
         "``model`` in place (that model only; weights kept). Options are keyword-only (rope, rms_norm, swiglu, "
-        "fused_linear_cross_entropy, cross_entropy, chunk_budget: see tigon.PatchOptions) or "
+        "fused_linear_cross_entropy, cross_entropy, chunk_budget, layer_norm: see tigon.PatchOptions) or "
         "options=PatchOptions(...). Returns a PatchReport."
     )
     return patch_family

@@ -1,0 +1,245 @@
+"""Dynamic Tanh (DyT, Zhu et al. 2025): y = gamma * tanh(alpha * x) + beta over the last dim.
+
+x [..., N]; alpha a one-element tensor (the learnt scalar); gamma [N]; beta [N] or None. fp32
+arithmetic, output in x's dtype. The parameter gradients are reductions over the rows: each
+backward program keeps fp32 partial sums of its column stripe, summed on the host side.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from tigon.ops._common import (
+    RowConfig,
+    as_rows,
+    cdiv,
+    check_same_device,
+    check_tensor,
+    contiguous_or_none,
+    fake_grad,
+    kernel_op,
+    new_output,
+    or_empty,
+    persistent_programs,
+    row_block_config,
+)
+from tigon.ops._internals import launch
+
+
+@triton.jit
+def tanh_and_sech2(u):
+    """(tanh(u), 1 - tanh(u)^2) in fp32, to a few ulp (libdevice's tanh does not run in the
+    interpreter; 2 sigmoid(2u) - 1 loses the relative precision of small u)."""
+    a = tl.abs(u)
+    e = tl.exp(-2.0 * a)
+    # |u| >= 1/4: tanh = (1 - e) / (1 + e) with e <= 0.61 (no cancellation), and
+    # 1 - tanh^2 = 4e / (1 + e)^2 stays exact where tanh rounds to +-1.
+    big = (1.0 - e) / (1.0 + e)
+    sech2_big = 4.0 * e / ((1.0 + e) * (1.0 + e))
+    # |u| < 1/4: Taylor series to u^11 (the next term is below 1e-9 relative).
+    u2 = u * u
+    poly = -1382.0 / 155925.0
+    poly = poly * u2 + 62.0 / 2835.0
+    poly = poly * u2 - 17.0 / 315.0
+    poly = poly * u2 + 2.0 / 15.0
+    poly = poly * u2 - 1.0 / 3.0
+    small = u + u * u2 * poly
+    is_small = a < 0.25
+    t = tl.where(is_small, small, tl.where(u < 0, -big, big))
+    sech2 = tl.where(is_small, 1.0 - small * small, sech2_big)
+    return t, sech2
+
+
+@triton.jit
+def dyt_forward_kernel(
+    X, stride_x, Y, stride_y, ALPHA, GAMMA, BETA, n_rows, n_cols,
+    HAS_BETA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (row blocks, column blocks): one [BLOCK_M, BLOCK_N] tile a program."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    alpha = tl.load(ALPHA).to(tl.float32)
+    gamma = tl.load(GAMMA + cols, mask=col_mask, other=0.0).to(tl.float32)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    t, _ = tanh_and_sech2(alpha * x)
+    y = t * gamma[None, :]
+    if HAS_BETA:
+        y += tl.load(BETA + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def dyt_backward_kernel(
+    DY, stride_dy, X, stride_x, DX, stride_dx, ALPHA, GAMMA, DA_PARTIAL, DG_PARTIAL, DB_PARTIAL,
+    n_rows, n_cols,
+    COMPUTE_DA: tl.constexpr, COMPUTE_DG: tl.constexpr, COMPUTE_DB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (column blocks, programs per stripe): program (c, p) walks the row blocks p, p + P, ...
+    of column stripe c, and writes its fp32 partial sums once: dgamma and dbeta to row p of
+    [P, N] buffers, dalpha to [P, column blocks]."""
+    col_block = tl.program_id(0)
+    pid = tl.program_id(1)
+    n_programs = tl.num_programs(1)
+    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    alpha = tl.load(ALPHA).to(tl.float32)
+    gamma = tl.load(GAMMA + cols, mask=col_mask, other=0.0).to(tl.float32)
+    da = tl.zeros([BLOCK_N], dtype=tl.float32)
+    dg = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for block in range(pid, tl.cdiv(n_rows, BLOCK_M), n_programs):
+        rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        mask = (rows < n_rows)[:, None] & col_mask[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        t, sech2 = tanh_and_sech2(alpha * x)
+        g = dy * gamma[None, :] * sech2  # the gradient of tanh's argument
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], (g * alpha).to(DX.dtype.element_ty), mask=mask)
+        if COMPUTE_DA:
+            da += tl.sum(g * x, axis=0)
+        if COMPUTE_DG:
+            dg += tl.sum(dy * t, axis=0)
+        if COMPUTE_DB:
+            db += tl.sum(dy, axis=0)
+    if COMPUTE_DA:
+        tl.store(DA_PARTIAL + pid * tl.num_programs(0) + col_block, tl.sum(da, axis=0))
+    if COMPUTE_DG:
+        tl.store(DG_PARTIAL + pid * n_cols + cols, dg, mask=col_mask)
+    if COMPUTE_DB:
+        tl.store(DB_PARTIAL + pid * n_cols + cols, db, mask=col_mask)
+
+
+def dyt_launch_config(n_cols: int, backward: bool = False) -> RowConfig:
+    """The RMSNorm kernels' launch shapes (``row_block_config``, measured on an H100) for column
+    stripes of up to 4096 (forward) or 2048 (backward: three fp32 accumulators of the stripe's
+    width a program) columns; DyT has no row reduction, so wider rows are walked in stripes."""
+    return row_block_config(min(n_cols, 2048 if backward else 4096), backward=backward)
+
+
+def check_dyt_args(x, alpha, gamma, beta):
+    """x [..., N], alpha one element, gamma and beta [N] (beta may be None), on one device;
+    returns (alpha, gamma, beta) as the kernels read them (unit stride)."""
+    check_tensor("x", x, min_ndim=1)
+    check_tensor("alpha", alpha)
+    if alpha.ndim > 1 or alpha.numel() != 1:
+        raise ValueError(f"alpha must be a one-element tensor (shape [] or [1]), got shape {tuple(alpha.shape)}")
+    n = x.shape[-1]
+    for name, p in (("gamma", gamma), ("beta", beta)):
+        if p is not None:
+            check_tensor(name, p, ndim=1)
+            if p.shape[0] != n:
+                raise ValueError(f"{name} has shape {tuple(p.shape)} but x's last dim is {n}")
+    check_same_device(x=x, alpha=alpha, gamma=gamma, beta=beta)
+    return contiguous_or_none(alpha), contiguous_or_none(gamma), contiguous_or_none(beta)
+
+
+def dyt_forward(x, alpha, gamma, beta):
+    """x [..., N] -> y [..., N] (contiguous, x's dtype)."""
+    alpha, gamma, beta = check_dyt_args(x, alpha, gamma, beta)
+    x2 = as_rows(x)
+    n_rows, n_cols = x2.shape
+    block_m, block_n, num_warps, _ = dyt_launch_config(n_cols)
+    y = new_output((n_rows, n_cols), x.dtype, x.device)
+    if n_rows and n_cols:
+        launch(dyt_forward_kernel, (cdiv(n_rows, block_m), cdiv(n_cols, block_n)),
+            x2, x2.stride(0), y, y.stride(0), alpha, gamma, beta if beta is not None else gamma, n_rows, n_cols,
+            HAS_BETA=beta is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )
+    return y.view(x.shape)
+
+
+def dyt_backward(dy, x, alpha, gamma, beta, compute_da, compute_dg, compute_db):
+    """(dx like x, dalpha like alpha, dgamma like gamma, dbeta like beta); each parameter
+    gradient None when not computed."""
+    alpha, gamma = contiguous_or_none(alpha), contiguous_or_none(gamma)
+    compute_db = compute_db and beta is not None
+    x2, dy2 = as_rows(x), as_rows(dy)
+    n_rows, n_cols = x2.shape
+    block_m, block_n, num_warps, per_sm = dyt_launch_config(n_cols, backward=True)
+    col_blocks = torch.sym_max(1, cdiv(n_cols, block_n))
+    n_programs = torch.sym_max(1, persistent_programs(x.device, cdiv(n_rows, block_m) * col_blocks, per_sm)
+                               // col_blocks)
+    dx = new_output((n_rows, n_cols), x.dtype, x.device)
+    f32 = torch.float32
+    da = new_output((n_programs, col_blocks), f32, x.device) if compute_da else None
+    dg = new_output((n_programs, n_cols), f32, x.device) if compute_dg else None
+    db = new_output((n_programs, n_cols), f32, x.device) if compute_db else None
+    if n_rows and n_cols:
+        launch(dyt_backward_kernel, (col_blocks, n_programs),
+            dy2, dy2.stride(0), x2, x2.stride(0), dx, dx.stride(0), alpha, gamma,
+            da if da is not None else dx, dg if dg is not None else dx, db if db is not None else dx,
+            n_rows, n_cols,
+            COMPUTE_DA=compute_da, COMPUTE_DG=compute_dg, COMPUTE_DB=compute_db,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )
+    else:
+        for partial in (da, dg, db):
+            if partial is not None:
+                partial.zero_()
+    if da is not None:
+        da = da.sum().reshape(alpha.shape).to(alpha.dtype)
+    if dg is not None:
+        dg = dg.sum(0).to(gamma.dtype)
+    if db is not None:
+        db = db.sum(0).to(beta.dtype)
+    return dx.view(x.shape), da, dg, db
+
+
+# ---- custom ops: torch.ops.tigon.dyt and its backward (see tigon.ops.rms_norm) ----
+
+
+@kernel_op("tigon::dyt", mutates_args=())
+def dyt_op(x: Tensor, alpha: Tensor, gamma: Tensor, beta: Optional[Tensor]) -> Tensor:
+    """gamma * tanh(alpha * x) + beta of x [..., N] (x's dtype)."""
+    return dyt_forward(x, alpha, gamma, beta)
+
+
+@dyt_op.register_fake
+def _(x, alpha, gamma, beta):
+    check_dyt_args(x, alpha, gamma, beta)
+    return x.new_empty(x.shape)
+
+
+@kernel_op("tigon::dyt_backward", mutates_args=())
+def dyt_backward_op(dy: Tensor, x: Tensor, alpha: Tensor, gamma: Tensor, beta: Optional[Tensor], compute_da: bool,
+                    compute_dg: bool, compute_db: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dalpha, dgamma, dbeta), each parameter gradient empty when not computed (beta is
+    read for its dtype only)."""
+    dx, da, dg, db = dyt_backward(dy, x, alpha, gamma, beta, compute_da, compute_dg, compute_db)
+    return dx, or_empty(da, x), or_empty(dg, x), or_empty(db, x)
+
+
+@dyt_backward_op.register_fake
+def _(dy, x, alpha, gamma, beta, compute_da, compute_dg, compute_db):
+    return (x.new_empty(x.shape), fake_grad(alpha, compute_da, x), fake_grad(gamma, compute_dg, x),
+            fake_grad(beta, compute_db, x))
+
+
+def _setup_context(ctx, inputs, output):
+    x, alpha, gamma, beta = inputs
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(x)
+    ctx.params = (alpha, gamma, beta)  # parameters: kept, not saved (see the note in tigon.ops._common)
+    ctx.needs_param_grads = (ctx.needs_input_grad[1], ctx.needs_input_grad[2],
+                             beta is not None and ctx.needs_input_grad[3])
+
+
+def _backward(ctx, dy):
+    if dy is None:
+        return None, None, None, None
+    (x,) = ctx.saved_tensors
+    alpha, gamma, beta = ctx.params
+    compute = ctx.needs_param_grads
+    dx, da, dg, db = dyt_backward_op(dy, x, alpha, gamma, beta, *compute)
+    return dx, *(g if c else None for g, c in zip((da, dg, db), compute))
+
+
+dyt_op.register_autograd(_backward, setup_context=_setup_context)
