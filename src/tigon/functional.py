@@ -193,7 +193,8 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
     "interleaved" (gate, up, gate, ...: gpt-oss). ``activation``: tigon's GLU names or HF aliases
     ("silu", "gelu_pytorch_tanh", ...), or "clamped_swiglu": gpt-oss's (up.clamp(-limit, limit) + 1)
     * g * sigmoid(alpha * g), g = gate.clamp(max=limit) (alpha 1.702, limit 7.0 by default). Grouped
-    GEMMs routed on the device (no host sync), gate and up kept for the backward.
+    GEMMs routed on the device (one host sync: the index range check, as cross entropy's labels),
+    gate and up kept for the backward.
     """
     check_tensor_args(hidden_states=hidden_states, top_k_index=top_k_index, top_k_weights=top_k_weights,
                       gate_up_proj=gate_up_proj, down_proj=down_proj, gate_up_bias=gate_up_bias, down_bias=down_bias)

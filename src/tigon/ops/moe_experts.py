@@ -10,10 +10,12 @@ top_k_index [T, K] (int), top_k_weights [T, K], gate_up_proj [E, 2I, H], down_pr
 (gate, up, gate, up, ...: gpt-oss); ``transposed``: the weights are stored [E, H, 2I] and
 [E, I, H] (gpt-oss). act is one of tigon's GLU activations (``tigon.ops.glu``), or
 "clamped_swiglu", gpt-oss's (up.clamp(-limit, limit) + 1) * g sigmoid(alpha g) with
-g = gate.clamp(max=limit). Index E is HF's "no expert" (skipped, as HF's mask); so is any other
-value outside [0, E), after a device-side assert (no host sync) that fails the run on it.
+g = gate.clamp(max=limit). Index E is HF's "no expert" (skipped, as HF's mask). Any other value
+outside [0, E) is an error: in eager mode a ValueError after one host sync (the range check of
+cross entropy's labels, skipped with TIGON_CHECK_LABELS=0), and where the host cannot read the
+value (traced, captured) or the check is off, a device-side assert that fails the run.
 
-How it runs, with no per-expert Python loop and no host synchronisation:
+How it runs, with no per-expert Python loop and no other host synchronisation:
 - routing (torch ops on the device): the T*K (token, slot) pairs sorted by expert (stable),
   each expert's segment cut into blocks of BLOCK_M rows, and a table block -> (expert, first
   row, end row) for a fixed upper bound of blocks (TK // BLOCK_M + E + 1, the skipped pairs
@@ -485,9 +487,9 @@ def _routing_views(routing, n_pairs, n_blocks):
 
 
 def moe_routing(top_k_index, n_experts, block_m):
-    """The packed int32 routing table (see ``routing_size``) of top_k_index [T, K]; on the device,
-    no host sync. Pairs are sorted by expert, stably (token order within an expert); indices
-    outside [0, E) form bucket E (skipped)."""
+    """The packed int32 routing table (see ``routing_size``) of top_k_index [T, K], built on the
+    device (the index range check aside: see the module docstring). Pairs are sorted by expert,
+    stably (token order within an expert); indices outside [0, E) form bucket E (skipped)."""
     ids = top_k_index.reshape(-1)
     if ids.dtype not in (torch.int32, torch.int64):
         ids = ids.long()
