@@ -11,10 +11,17 @@ only its own rows. ``--timed-tokens`` sets the timed steps per batch (at least 3
 --out DIR`` joins sweeps of one shape run in separate calls (a device call's time limit) into one
 JSON, table and plot, without a GPU.
 
-bf16 weights, AdamW (fused by default), gradient checkpointing, random tokens (labels =
-inputs). Peak memory is torch.cuda.max_memory_allocated during the warm-up steps (weights,
+bf16 weights (``--dtype``), AdamW (fused by default), gradient checkpointing, random init from
+one seed, the same seeded batches for every implementation. Text shapes: random tokens (labels =
+inputs). Vision-language shapes (``qwen2.5-vl-3b``): each sequence is one ``--image-size`` image
+(patches, grid and placeholder tokens as the model's processor makes them, vision start/end
+around the placeholders at the start) then random text; labels = input_ids with the image's
+tokens set to -100. Tokens/s count every token of input_ids (text and image placeholders).
+Peak memory is torch.cuda.max_memory_allocated during the warm-up steps (weights,
 gradients, optimizer state, activations), split into forward+backward and optimizer step.
-Tokens/s over the timed steps (after --warmup steps; at least 2).
+Tokens/s over the timed steps (after --warmup steps; at least 2). The table ends with each
+implementation's first 3 losses (the JSON keeps every step's). Without CUDA (a CPU smoke run
+under ``TRITON_INTERPRET=1``, e.g. with the hidden ``--tiny`` configs) peaks read 0.
 """
 
 from __future__ import annotations
@@ -42,7 +49,55 @@ SHAPES = {
     "llama-8b": ("llama", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                                intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
                                max_position_embeddings=4096)),
+    # Qwen2.5-VL-3B-Instruct: 3.75B parameters (text 3.09B with the tied embedding, vision tower 0.67B).
+    "qwen2.5-vl-3b": ("qwen2_5_vl", dict(
+        text_config=dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                         intermediate_size=11008, vocab_size=151936, rms_norm_eps=1e-6,
+                         max_position_embeddings=128000,
+                         rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[16, 24, 24])),
+        vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                           fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2),
+        tie_word_embeddings=True)),
+    # Qwen3-30B-A3B's layers (head_dim 128, 128 experts of 768, top-8), 6 of its 48: 4.36B parameters
+    # (3.74B in the layers, 0.62B in the untied embedding and head), so that HF's own path fits one
+    # 80 GB H100 at batch 4 x 1024 (bf16 weights, gradients and AdamW state: 35 GB). The router's aux
+    # loss as HF has it by default (output_router_logits False: not added).
+    "qwen3-moe": ("qwen3_moe", dict(hidden_size=2048, num_hidden_layers=6, num_attention_heads=32, num_key_value_heads=4,
+                                    head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                                    intermediate_size=6144, norm_topk_prob=True, vocab_size=151936,
+                                    tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=4096,
+                                    rope_parameters=dict(rope_type="default", rope_theta=1e6))),
 }
+
+# --tiny (hidden): the same families at toy size, for a CPU smoke run under TRITON_INTERPRET=1
+# (special tokens inside the vocabulary; mrope_section: the 8 frequencies of head_dim 16).
+TINY_SHAPES = {
+    "qwen2.5-vl-3b": ("qwen2_5_vl", dict(
+        text_config=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=512, bos_token_id=1, eos_token_id=2,
+                         rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[2, 3, 3])),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                           fullatt_block_indexes=[1]),
+        image_token_id=500, video_token_id=501, vision_start_token_id=502, vision_end_token_id=503,
+        tie_word_embeddings=True)),
+    "qwen3-moe": ("qwen3_moe", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                    head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    intermediate_size=128, norm_topk_prob=True, vocab_size=512)),
+}
+TINY_IMAGE_SIZE = 56  # 4 x 4 patches of 14, merged 2 x 2: 4 image tokens
+
+# Vision-language model types: built as image-text-to-text models, trained on image + text batches.
+VISION_LANGUAGE = {"qwen2_5_vl"}
+
+# Liger-Kernel's patch function per model type (applied to the model instance, its defaults).
+LIGER_PATCHES = {"llama": "apply_liger_kernel_to_llama", "qwen2": "apply_liger_kernel_to_qwen2",
+                 "gemma2": "apply_liger_kernel_to_gemma2", "qwen2_5_vl": "apply_liger_kernel_to_qwen2_5_vl",
+                 "qwen3_moe": "apply_liger_kernel_to_qwen3_moe"}
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def add_setup_args(parser, default_shape="llama-1b"):
@@ -57,29 +112,67 @@ def add_setup_args(parser, default_shape="llama-1b"):
     return parser
 
 
-def build_model(model_type, shape_kwargs, impl="hf", state=None, chunk_budget=None, compile_mode="default"):
-    """The bf16 model on the GPU (weights from `state` when given), patched by `impl` ("hf":
+def new_model(model_type, shape_kwargs, dtype=torch.bfloat16):
+    """The HF model of `shape_kwargs`, randomly initialised (from torch's global seed) on DEVICE, with
+    SDPA attention: a *ForCausalLM, or the image-text-to-text class of a vision-language type."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = AutoConfig.for_model(model_type, **shape_kwargs)
+    auto = AutoModelForImageTextToText if model_type in VISION_LANGUAGE else AutoModelForCausalLM
+    with torch.device(DEVICE):
+        return auto.from_config(config, dtype=dtype, attn_implementation="sdpa")
+
+
+def initial_state(model_type, shape_kwargs, dtype=torch.bfloat16, seed=0):
+    """(state dict on the CPU, parameter count) of new_model after ``torch.manual_seed(seed)``:
+    the weights every implementation (and every --isolate child) starts from."""
+    torch.manual_seed(seed)
+    model = new_model(model_type, shape_kwargs, dtype)
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    n_params = sum(p.numel() for p in model.parameters())
+    del model
+    _empty_cache()
+    return state, n_params
+
+
+def liger_skip_reason(model_type):
+    """Why Liger-Kernel cannot patch `model_type` here (not installed, no patch function), or None."""
+    name = LIGER_PATCHES.get(model_type)
+    if name is None:
+        return f"no Liger-Kernel patch function is known for model type {model_type}"
+    try:
+        import liger_kernel.transformers as liger
+    except ImportError as exc:
+        return f"liger-kernel is not installed ({exc})"
+    if getattr(liger, name, None) is None:
+        from importlib.metadata import version
+
+        return f"liger-kernel {version('liger-kernel')} has no {name}"
+    return None
+
+
+def build_model(model_type, shape_kwargs, impl="hf", state=None, chunk_budget=None, compile_mode="default",
+                dtype=torch.bfloat16):
+    """The model (new_model; weights from `state` when given), patched by `impl` ("hf":
     not at all, "tigon", "liger"; "+compile": then ``model.compile(mode=compile_mode)``), with
     gradient checkpointing, in train mode: (model, report)."""
     impl, _, compiled = impl.partition("+")
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     import tigon
 
-    config = AutoConfig.for_model(model_type, **shape_kwargs)
-    config._attn_implementation = "sdpa"
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = new_model(model_type, shape_kwargs, dtype)
     if state is not None:
         model.load_state_dict(state)
     report = None
     if impl == "tigon":
         report = str(tigon.patch(model, chunk_budget=chunk_budget))
     elif impl == "liger":
-        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+        reason = liger_skip_reason(model_type)
+        if reason:
+            raise RuntimeError(f"skipped: {reason}")
+        import liger_kernel.transformers as liger
 
-        _apply_liger_kernel_to_instance(model=model)
-        report = "liger-kernel: _apply_liger_kernel_to_instance (its defaults)"
+        getattr(liger, LIGER_PATCHES[model_type])(model=model)
+        report = f"liger-kernel: {LIGER_PATCHES[model_type]}(model=model) (its defaults)"
     model.gradient_checkpointing_enable()
     model.config.use_cache = False
     model.train()
@@ -91,21 +184,92 @@ def build_model(model_type, shape_kwargs, impl="hf", state=None, chunk_budget=No
     return model, report
 
 
+def make_batches(model, n, batch, seq, generator, image_size=448):
+    """`n` training batches (keyword arguments of `model`'s forward) of `batch` sequences of `seq`
+    tokens, drawn from `generator`. Text models: random tokens, labels = input_ids. Vision-language
+    models: image_text_batch."""
+    config = model.config
+    if config.model_type in VISION_LANGUAGE:
+        return [image_text_batch(model, batch, seq, generator, image_size) for _ in range(n)]
+    vocab = config.get_text_config().vocab_size
+    ids = [torch.randint(0, vocab, (batch, seq), device=DEVICE, generator=generator) for _ in range(n)]
+    return [dict(input_ids=x, labels=x) for x in ids]
+
+
+def image_text_batch(model, batch, seq, generator, image_size):
+    """One Qwen2.5-VL-style batch: per sequence one image_size x image_size image, as its processor
+    gives it (pixel_values [batch * grid_h * grid_w, 3 * temporal_patch * patch**2] float32, grid
+    (1, h, w) per image: an image is one temporal patch), input_ids <|vision_start|>, the image
+    token once per merged patch, <|vision_end|>, then random text tokens (below the special ids);
+    labels = input_ids with those image tokens -100; mm_token_type_ids (1 on image tokens) where
+    the forward takes it (the 3D RoPE positions need it)."""
+    import inspect
+
+    config = model.config
+    vision = config.vision_config
+    unit = vision.patch_size * vision.spatial_merge_size
+    if image_size % unit:
+        raise ValueError(f"--image-size {image_size} is not a multiple of patch x spatial merge = {unit}")
+    side = image_size // vision.patch_size
+    n_image = side * side // vision.spatial_merge_size**2  # image tokens after the 2x2 merge
+    if seq < n_image + 3:
+        raise ValueError(f"--seq {seq} leaves no text after the image's {n_image + 2} tokens")
+    special = (config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id)
+    ids = torch.randint(0, min(special), (batch, seq), device=DEVICE, generator=generator)
+    ids[:, 0] = config.vision_start_token_id
+    ids[:, 1:1 + n_image] = config.image_token_id
+    ids[:, 1 + n_image] = config.vision_end_token_id
+    labels = ids.clone()
+    labels[:, :n_image + 2] = -100
+    pixels = torch.randn(batch * side * side, vision.in_channels * vision.temporal_patch_size * vision.patch_size**2,
+                         device=DEVICE, generator=generator)
+    inputs = dict(input_ids=ids, labels=labels, pixel_values=pixels,
+                  image_grid_thw=torch.tensor([[1, side, side]] * batch, device=DEVICE))
+    if "mm_token_type_ids" in inspect.signature(type(model).forward).parameters:
+        inputs["mm_token_type_ids"] = (ids == config.image_token_id).long()
+    return inputs
+
+
 def training_step(impl, model_type, shape_kwargs, batch, seq, seed=0):
     """(model, step): a freshly built model (build_model, seed ``seed``) and one AdamW training
-    step on a fixed random batch, for the profiling scripts."""
+    step on a fixed random batch (make_batches; ``step.inputs``, ``step.ids``: its input_ids), for
+    the profiling scripts."""
     torch.manual_seed(seed)
     model, _ = build_model(model_type, shape_kwargs, impl)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
+    inputs = make_batches(model, 1, batch, seq, torch.Generator(device=DEVICE).manual_seed(seed))[0]
 
     def step():
-        model(input_ids=ids, labels=ids).loss.backward()
+        model(**inputs).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    step.ids = ids
+    step.inputs, step.ids = inputs, inputs["input_ids"]
     return model, step
+
+
+def _sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _reset_peak():
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_bytes():
+    """CUDA's peak allocation since the last reset; 0 without CUDA."""
+    return torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
+
+
+def _empty_cache():
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _device_name():
+    return torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
 
 
 # A compiled implementation keeps its model from one batch size to the next (weights reloaded
@@ -122,43 +286,43 @@ def run(impl, model_type, shape_kwargs, state, args, batch):
         model.load_state_dict(state)
     else:
         model, report = build_model(model_type, shape_kwargs, impl, state,
-                                    args.chunk_mib * 2**20 if args.chunk_mib else None, args.compile_mode)
+                                    args.chunk_mib * 2**20 if args.chunk_mib else None, args.compile_mode,
+                                    DTYPES[args.dtype])
         if impl.endswith("+compile"):
             _COMPILED_MODELS[impl] = model, report
     steps = args.steps if not args.timed_tokens else max(3, -(-args.timed_tokens // (batch * args.seq)))
-    config = model.config
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=args.adamw == "fused",
                             foreach=args.adamw == "foreach")
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    batches = [torch.randint(0, config.vocab_size, (batch, args.seq), device="cuda", generator=gen)
-               for _ in range(args.warmup + steps)]
+    gen = torch.Generator(device=DEVICE).manual_seed(0)  # the same batches for every implementation
+    batches = make_batches(model, args.warmup + steps, batch, args.seq, gen, args.image_size)
     if impl.endswith("+compile"):  # one compilation for every batch size
-        for ids in batches:
-            torch._dynamo.mark_dynamic(ids, 0)
-    torch.cuda.synchronize()
+        for inputs in batches:
+            for x in inputs.values():
+                torch._dynamo.mark_dynamic(x, 0)
+    _sync()
     losses, start, peak_fb, peak_opt, first_step_s = [], None, 0, 0, None
     first_start = time.perf_counter()  # the first step's time includes torch.compile's
-    for i, ids in enumerate(batches):
+    for i, inputs in enumerate(batches):
         timed = i >= args.warmup
         if i == 1:
-            torch.cuda.synchronize()
+            _sync()
             first_step_s = time.perf_counter() - first_start
         if i == args.warmup:
-            torch.cuda.synchronize()
+            _sync()
             start = time.perf_counter()
         if not timed:  # peaks from the warm-up steps (reading them syncs)
-            torch.cuda.reset_peak_memory_stats()
-        loss = model(input_ids=ids, labels=ids).loss
+            _reset_peak()
+        loss = model(**inputs).loss
         loss.backward()
         if not timed:
-            peak_fb = max(peak_fb, torch.cuda.max_memory_allocated())
-            torch.cuda.reset_peak_memory_stats()
+            peak_fb = max(peak_fb, _peak_bytes())
+            _reset_peak()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if not timed:
-            peak_opt = max(peak_opt, torch.cuda.max_memory_allocated())
+            peak_opt = max(peak_opt, _peak_bytes())
         losses.append(loss.detach())
-    torch.cuda.synchronize()
+    _sync()
     seconds = time.perf_counter() - start
     if impl.endswith("+compile"):  # what torch.compile made of the model (graph breaks: 0 is one graph)
         from torch._dynamo.utils import counters
@@ -172,7 +336,7 @@ def run(impl, model_type, shape_kwargs, state, args, batch):
                   peak_gib=max(peak_fb, peak_opt) / 2**30, peak_fwd_bwd_gib=peak_fb / 2**30,
                   peak_optimizer_gib=peak_opt / 2**30, losses=[float(x) for x in losses], report=report)
     del model, opt, batches
-    torch.cuda.empty_cache()
+    _empty_cache()
     if impl not in _COMPILED_MODELS:
         tigon.unpatch()
     return result
@@ -201,7 +365,7 @@ def run_or_oom(impl, model_type, shape_kwargs, state, args, batch):
                 setattr(modeling, name, value)
     _COMPILED_MODELS.pop(impl, None)
     gc.collect()
-    torch.cuda.empty_cache()
+    _empty_cache()
     if impl.startswith("tigon"):
         import tigon
 
@@ -260,7 +424,16 @@ def main():
     p.add_argument("--chunk-mib", type=int, default=None, help="tigon's FLCE chunk budget (default 512 MiB)")
     p.add_argument("--out", default=None)
     p.add_argument("--merge", nargs="+", metavar="JSON", help="join these sweep JSONs (one shape) into --out")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="weights and activations")
+    p.add_argument("--image-size", type=int, default=None,
+                   help=f"vision-language shapes: the side of each sequence's image in pixels (default 448; "
+                        f"{TINY_IMAGE_SIZE} with --tiny)")
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # TINY_SHAPES: a CPU smoke run
     args = p.parse_args()
+    if args.image_size is None:
+        args.image_size = TINY_IMAGE_SIZE if args.tiny else 448
+    if args.tiny and args.shape not in TINY_SHAPES:
+        p.error(f"--tiny: no tiny version of {args.shape} (only {', '.join(TINY_SHAPES)})")
     if args.merge:
         return merge_sweeps(args)
     if args.warmup < 2:
@@ -269,25 +442,20 @@ def main():
         return run_isolated(args)
     if "," in args.impls and "+compile" in args.impls:
         p.error("compiled implementations keep their patched model between batch sizes: run them with --isolate")
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    model_type, shape_kwargs = SHAPES[args.shape]
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **shape_kwargs), dtype=torch.bfloat16)
-    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    n_params = sum(p.numel() for p in model.parameters())
-    del model
-    torch.cuda.empty_cache()
+    model_type, shape_kwargs = (TINY_SHAPES if args.tiny else SHAPES)[args.shape]
+    state, n_params = initial_state(model_type, shape_kwargs, DTYPES[args.dtype])
     batches = args.batches or [args.batch]
-    print(f"{args.shape}: {n_params / 1e9:.2f}B parameters, batch {batches} x {args.seq}, {torch.cuda.get_device_name()}",
-          flush=True)
+    image = f", one {args.image_size}-pixel image per sequence" if model_type in VISION_LANGUAGE else ""
+    print(f"{args.shape}{' (tiny)' if args.tiny else ''}: {n_params / 1e9:.2f}B parameters, batch {batches} x "
+          f"{args.seq}{image}, {args.dtype}, {_device_name()}", flush=True)
     results, failed = [], set()
     for batch in batches:
         for impl in args.impls.split(","):
             if impl in failed:
                 continue
-            r = run_or_oom(impl, model_type, shape_kwargs, state, args, batch)
+            skip = liger_skip_reason(model_type) if impl.partition("+")[0] == "liger" else None
+            r = (dict(impl=impl, batch=batch, error=f"skipped: {skip}") if skip else
+                 run_or_oom(impl, model_type, shape_kwargs, state, args, batch))
             results.append(r)
             save(args, n_params, results)
             if "error" in r:
@@ -302,9 +470,10 @@ def main():
         base = next((r for r in results if r["impl"] == "hf" and r["batch"] == batch and "error" not in r), None)
         for r in results:
             if base and r["batch"] == batch and r["impl"] != "hf" and "error" not in r:
+                memory = f"{100 * r['peak_gib'] / base['peak_gib']:.0f}%" if base["peak_gib"] else "n/a"
                 print(f"  {r['impl']} / hf at batch {batch}: {r['tokens_per_s'] / base['tokens_per_s']:.2f}x tokens/s, "
-                      f"{100 * r['peak_gib'] / base['peak_gib']:.0f}% of the peak memory; first losses "
-                      f"{base['losses'][0]:.4f} vs {r['losses'][0]:.4f}")
+                      f"{memory} of the peak memory; first losses {_losses(base)} vs {_losses(r)} "
+                      f"(largest relative difference {first_loss_difference(base, r):.1e})")
     save(args, n_params, results, final=True)
     print_table(results)
 
@@ -353,15 +522,40 @@ def merge_sweeps(args):
         raise SystemExit(f"--merge: the JSONs are of different shapes {sorted(shapes)}")
     args.shape = shapes.pop()
     args.seq = parts[0]["args"]["seq"]
+    args.dtype = parts[0]["args"].get("dtype", "bfloat16")
     args.batches = sorted({r["batch"] for part in parts for r in part["results"]})
     results = [r for part in parts for r in part["results"]]
     save(args, parts[0]["params"], results, final=True, device=parts[0]["device"])
     print_table(results)
 
 
+FIRST_LOSSES = 3  # the losses printed side by side: the same weights and batches give the same first losses
+
+
+def _losses(r):
+    return ", ".join(f"{x:.4f}" for x in r["losses"][:FIRST_LOSSES])
+
+
+def first_loss_difference(base, r):
+    """The largest relative difference between the first losses of two runs."""
+    pairs = list(zip(base["losses"][:FIRST_LOSSES], r["losses"][:FIRST_LOSSES]))
+    return max(abs(a - b) / max(abs(a), 1e-12) for a, b in pairs)
+
+
+def first_losses(results):
+    """{implementation: {batch: its first FIRST_LOSSES losses}} of the runs that trained."""
+    out = {}
+    for r in results:
+        if r.get("losses"):
+            out.setdefault(r["impl"], {})[str(r["batch"])] = r["losses"][:FIRST_LOSSES]
+    return out
+
+
 def print_table(results):
-    """tokens/s / peak GiB per batch (rows) and implementation (columns), as markdown."""
+    """tokens/s / peak GiB per batch (rows) and implementation (columns), as markdown, then each
+    implementation's first losses."""
     impls = list(dict.fromkeys(r["impl"] for r in results))
+    print("tokens/s (every token of input_ids) / peak GiB:")
     print("| batch | " + " | ".join(impls) + " |")
     print("|---" * (len(impls) + 1) + "|")
     for batch in sorted({r["batch"] for r in results}):
@@ -371,6 +565,14 @@ def print_table(results):
             cells.append("" if r is None else r["error"] if "error" in r else
                          f"{r['tokens_per_s']:,.0f} / {r['peak_gib']:.1f}")
         print(f"| {batch} | " + " | ".join(cells) + " |")
+    losses = first_losses(results)
+    if losses:
+        print(f"\nfirst {FIRST_LOSSES} losses:")
+        print("| batch | " + " | ".join(impls) + " |")
+        print("|---" * (len(impls) + 1) + "|")
+        for batch in sorted({r["batch"] for r in results}):
+            cells = [", ".join(f"{x:.4f}" for x in losses.get(impl, {}).get(str(batch), [])) for impl in impls]
+            print(f"| {batch} | " + " | ".join(cells) + " |")
 
 
 def save(args, n_params, results, final=False, device=None):
@@ -378,15 +580,16 @@ def save(args, n_params, results, final=False, device=None):
     ``device``: the GPU's name when this process has not touched CUDA (--isolate's parent)."""
     if not args.out:
         return
-    device = device or torch.cuda.get_device_name()
+    device = device or _device_name()
     os.makedirs(args.out, exist_ok=True)
     name = f"train_{args.shape}" + ("_batch_sweep" if args.batches else "")
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(dict(shape=args.shape, params=n_params, args=vars(args), device=device,
-                       torch=torch.__version__, results=results), f, indent=1)
+                       torch=torch.__version__, first_losses=first_losses(results), results=results), f, indent=1)
     if args.batches and final:
+        dtype = {"float32": "fp32"}.get(getattr(args, "dtype", None), "bf16")
         plot_sweep(results, os.path.join(args.out, f"{name}.png"),
-                   f"{args.shape} ({n_params / 1e9:.2f}B), seq {args.seq}, bf16, AdamW, gradient checkpointing, "
+                   f"{args.shape} ({n_params / 1e9:.2f}B), seq {args.seq}, {dtype}, AdamW, gradient checkpointing, "
                    f"{device}")
 
 

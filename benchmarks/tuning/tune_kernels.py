@@ -138,18 +138,23 @@ def summarize(results):
         print(f"{key[0]:9s} {key[1] or key[3]} x {key[2] or ''}: best {r['ms']:.4f} ms ({100 * r['frac']:.0f}% of copy BW) {cfg}")
 
 
-def main():
+def run_sweeps(sweeps, json_name, summarize_results):
+    """Run each sweep(results, copy GB/s), save the results in OUT_DIR (argv[1]) / json_name,
+    print the summary (this script's and tune_dyt_group_norm.py's main)."""
     out = sys.argv[1] if len(sys.argv) > 1 else "tune_out"
     os.makedirs(out, exist_ok=True)
     bw = copy_gbps()
     print(f"copy bandwidth {bw:.0f} GB/s, {SMS} SMs")
     results = []
-    sweep_rope(results, bw)
-    sweep_glu(results, bw)
-    sweep_norms(results, bw)
-    with open(os.path.join(out, "tune.json"), "w") as f:
+    for sweep in sweeps:
+        sweep(results, bw)
+    with open(os.path.join(out, json_name), "w") as f:
         json.dump({"copy_gbps": bw, "results": results}, f)
-    summarize(results)
+    summarize_results(results)
+
+
+def main():
+    run_sweeps((sweep_rope, sweep_glu, sweep_norms), "tune.json", summarize)
 
 
 if __name__ == "__main__":

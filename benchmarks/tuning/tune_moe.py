@@ -2,6 +2,10 @@
 layers, one process, bf16 forward + backward. Run on a CUDA machine:
 ``PYTHONPATH=src python benchmarks/tuning/tune_moe.py [--layers qwen3-30b-a3b] [--tokens 8192]``.
 
+``--reference``: first, the time torch's grouped GEMM (``grouped_mm``, cuBLAS / CUTLASS) takes
+for the two weight-gradient contractions of each layer on sorted rows, the bar for
+``moe_expert_grad_kernel``.
+
 Coordinate descent: from the current defaults, each kernel's candidates in turn (the rows per
 block, block_m, first: every kernel depends on it), keeping the best fwd+bwd time so far. Each
 candidate is timed by triton.testing.do_bench (median, L2 flushed). Prints every measurement
@@ -28,9 +32,11 @@ bench_moe = __import__("bench_moe")  # benchmarks/bench_moe.py: the layers and t
 CANDIDATES = {
     "gate_up": [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (128, 32, 8, 4), (64, 64, 8, 4)],
     "down": [(256, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 4), (256, 32, 8, 4), (128, 128, 8, 3)],
-    "down_backward": [(64, 64, 8, 3), (128, 64, 8, 3), (64, 64, 4, 4), (64, 128, 8, 3), (128, 32, 8, 4)],
+    "down_backward": [(64, 64, 8, 3), (128, 64, 8, 3), (64, 64, 4, 4), (64, 128, 8, 3), (128, 32, 8, 4),
+                      (128, 64, 8, 4), (64, 64, 4, 3)],
     "expert_grad": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
-                    (128, 128, 32, 8, 4), (128, 64, 64, 4, 4)],
+                    (128, 128, 32, 8, 4), (128, 64, 64, 4, 4), (128, 256, 64, 8, 4), (256, 128, 32, 8, 4),
+                    (128, 128, 64, 4, 4), (64, 128, 64, 4, 4)],
 }
 
 
@@ -46,13 +52,36 @@ def fwd_bwd_ms(leaves, index, cotangent):
     return float(do_bench(step, warmup=50, rep=300, return_mode="median"))
 
 
+def grouped_mm_reference(layer, tokens):
+    """ms of dW_gate_up = d[g|u]^T x and dW_down = dout^T (w h) through torch's grouped_mm, each
+    expert's rows contiguous (the sorted order tigon's kernels read)."""
+    from triton.testing import do_bench
+
+    grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    _, x, index, _, gate_up, down = bench_moe.make_layer(layer, tokens, "cuda")
+    n_experts, inter = gate_up.shape[0], down.shape[2]
+    ids, order = torch.sort(index.reshape(-1), stable=True)
+    offs = torch.cumsum(torch.bincount(ids, minlength=n_experts), 0).to(torch.int32)
+    x_sorted = x.detach()[order // index.shape[1]]
+    dgu = torch.randn(ids.numel(), 2 * inter, device="cuda", dtype=x.dtype)
+    hw = torch.randn(ids.numel(), inter, device="cuda", dtype=x.dtype)
+    for name, a, b in (("dW_gate_up", dgu, x_sorted), ("dW_down", x_sorted, hw)):
+        try:
+            ms = do_bench(lambda: grouped_mm(a.t(), b, offs=offs), warmup=25, rep=200, return_mode="median")
+            flop = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+            print(f"{layer} grouped_mm {name}: {ms:.3f} ms, {flop / ms / 1e9:.0f} TFLOP/s", flush=True)
+        except Exception as exc:  # noqa: BLE001 (a layout or dtype grouped_mm does not take)
+            print(f"{layer} grouped_mm {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}", flush=True)
+
+
 def tune_layer(layer, tokens):
     _, x, index, weights, gate_up, down = bench_moe.make_layer(layer, tokens, "cuda")
     leaves = [x, weights, gate_up, down]
     cotangent = torch.randn_like(x)
     n_pairs, n_experts = index.numel(), gate_up.shape[0]
     block_m = M.moe_block_m(n_pairs, n_experts)
-    best = {"block_m": block_m, **{k: list(v) for k, v in M.moe_tiles(block_m, torch.bfloat16)._asdict().items()}}
+    tiles = M.moe_tiles(n_pairs, n_experts, torch.bfloat16)._asdict()
+    best = {"block_m": block_m, **{k: list(v) for k, v in tiles.items()}}
 
     def measure(table, what):
         M.set_tile_overrides(table)
@@ -67,9 +96,8 @@ def tune_layer(layer, tokens):
     best_ms = measure(best, "defaults")
     for bm in (64, 128):
         if bm != best["block_m"]:
-            defaults = M.moe_tiles(bm, torch.bfloat16)._asdict()
-            table = {**best, "block_m": bm, **{k: list(v) for k, v in defaults.items()}}
-            ms = measure(table, f"block_m {bm} (its default tiles)")
+            table = {**best, "block_m": bm}
+            ms = measure(table, f"block_m {bm}")
             if ms < best_ms:
                 best, best_ms = table, ms
     for kernel, options in CANDIDATES.items():
@@ -89,9 +117,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", nargs="*", choices=list(bench_moe.LAYERS), default=list(bench_moe.LAYERS))
     p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--reference", action="store_true", help="time torch's grouped_mm on the weight gradients first")
     args = p.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
     for layer in args.layers:
+        if args.reference:
+            grouped_mm_reference(layer, args.tokens)
         tune_layer(layer, args.tokens)
         torch.cuda.empty_cache()
 

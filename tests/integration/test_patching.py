@@ -24,7 +24,10 @@ SIZE = pick(cpu=dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num
 BATCH, SEQ = pick(cpu=(2, 16), gpu=(4, 256))
 # What a tiny model of each family needs beyond SIZE (the options each family's patch handles).
 EXTRA = {
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1),
+    # The experts' intermediate size small, as the other MoE rows' (each column tile of tigon's
+    # fused experts op costs interpreter time).
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, output_router_logits=True,
+                    router_aux_loss_coef=0.1),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1],
                       output_router_logits=True, router_aux_loss_coef=0.1),
     "gemma2": dict(final_logit_softcapping=30.0, sliding_window=8),
@@ -40,8 +43,8 @@ EXTRA = {
     "seed_oss": dict(attention_dropout=0.0, residual_dropout=0.0),  # dropout draws differ between runs
     "llama4_text": dict(intermediate_size_mlp=128, num_local_experts=2, interleave_moe_layer_step=2,
                         no_rope_layer_interval=2, attention_chunk_size=8, pad_token_id=0),
-    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8, "output_router_logits": True,
-                "router_aux_loss_coef": 0.1},
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "sliding_window": 8,
+                "output_router_logits": True, "router_aux_loss_coef": 0.1},
     "qwen3_next": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                    "shared_expert_intermediate_size": 64, "layer_types": ["linear_attention", "full_attention"],
                    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
@@ -73,6 +76,12 @@ EXTRA = {
     "gemma3n_text": {"vocab_size_per_layer_input": 1000, "hidden_size_per_layer_input": 8, "num_kv_shared_layers": 0,
                      "laurel_rank": 8, "altup_num_inputs": 2, "sliding_window": 8,
                      "layer_types": ["sliding_attention", "full_attention"], "activation_sparsity_pattern": [0.95, 0.0]},
+    # Per-layer inputs; the full-attention layer's wider heads with proportional RoPE (a quarter rotated).
+    # Its MoE block, k = v, shared KV and double-wide MLP: tests/integration/test_patching_forms.py.
+    # (Gemma 4 looks every token up in the per-layer table: vocab_size_per_layer_input is the vocab.)
+    "gemma4_text": {"vocab_size_per_layer_input": SIZE["vocab_size"], "hidden_size_per_layer_input": 8,
+                    "sliding_window": 8, "global_head_dim": 2 * SIZE["head_dim"], "final_logit_softcapping": 30.0,
+                    "layer_types": ["sliding_attention", "full_attention"] * (SIZE["num_hidden_layers"] // 2)},
 }
 # Text rows (vision-language rows: tests/integration/test_patching_vlm.py)
 MODEL_TYPES = [t for f in FAMILIES.values() if f.causal_lm and not f.conditional_generation for t in f.model_types]
@@ -128,7 +137,12 @@ def rel(a, b):
 def assert_same_training(ref, ours, grad_tol=1e-4, loss_tol=1e-5, logits_tol=1e-4):
     (ref_losses, ref_grads, ref_logits), (our_losses, our_grads, our_logits) = ref, ours
     for step, (a, b) in enumerate(zip(our_losses, ref_losses)):
-        assert abs(a - b) <= loss_tol * abs(b), f"step {step}: loss {a} vs HF {b}"
+        # AdamW's first updates are about lr * sign(gradient): a gradient entry within rounding of
+        # 0 moves its weight a whole step either way. On the GPU (other reduction orders than
+        # HF's kernels) the losses after the first step may differ by more: the bound grows
+        # with the steps there (PaliGemma on the H100: 1.3e-5 at step 2).
+        step_tol = loss_tol * (1 + step if DEVICE == "cuda" else 1)
+        assert abs(a - b) <= step_tol * abs(b), f"step {step}: loss {a} vs HF {b}"
     assert our_grads.keys() == ref_grads.keys()
     for name, g in ref_grads.items():
         assert rel(our_grads[name], g) <= grad_tol, f"gradient of {name}: relative error {rel(our_grads[name], g):.2e}"

@@ -3,6 +3,7 @@ each RoPE drop-in against the HF function of its form (outputs and gradients, fl
 reference), the LayerNorm1P forward, a family with two RoPE functions (DeepSeek-V3) in both its
 paths and as a class patch, and what a row leaves to HF in the report."""
 
+import copy
 import types
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 import tigon
 from tests.helpers import DEVICE, DTYPES, check_op, randn
 from tests.integration.test_patch_scope import tigon_entries
-from tests.integration.test_patching import batch, rel, tiny_model
+from tests.integration.test_patching import assert_same_training, batch, rel, tiny_model
 from tigon.patching import FAMILIES, Family, TigonPatchError, apply_family, forwards
 
 transformers = pytest.importorskip("transformers")
@@ -200,7 +201,138 @@ def test_report_lists_what_the_row_leaves_to_hf():
     assert {entry for entry in left if entry[0] == "rms_norm"} <= set(skipped)
 
 
-@pytest.mark.parametrize("model_type", ["gpt_oss", "deepseek_v2", "deepseek_v3", "nemotron"])
+def gemma4_modeling():
+    return pytest.importorskip("transformers.models.gemma4.modeling_gemma4",
+                               reason=f"transformers {transformers.__version__} has no Gemma 4")
+
+
+def proportional_angles(dim, rotated):
+    """Gemma 4's proportional RoPE tables [B, T, dim]: ``rotated`` of the dim / 2 angles turn,
+    the others are 0 (cos 1, sin 0), each angle twice (cat(f, f)) as rotate_half reads them."""
+    cos, sin = angles(2 * rotated)
+    still = dim // 2 - rotated
+    cos = torch.cat((cos, torch.ones(B, T, still, device=DEVICE)), -1)
+    sin = torch.cat((sin, torch.zeros(B, T, still, device=DEVICE)), -1)
+    return torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_single_form_matches_gemma4(dtype, unsqueeze_dim):
+    """Gemma 4 rotates q and k in separate calls, apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim),
+    a quarter of the angles turning (proportional RoPE)."""
+    apply_rotary_pos_emb = gemma4_modeling().apply_rotary_pos_emb
+    cos, sin = (t.to(dtype) for t in proportional_angles(16, 2))
+    if unsqueeze_dim == 1:
+        x = heads(dtype, H, 16)
+    else:  # [B, T, H, D]: a view of the projection, as the attention makes it
+        x = randn((B, T, H * 16), dtype).view(B, T, H, 16).requires_grad_(True)
+
+    def hf(x, cos, sin):
+        return apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+    def ours(x, cos, sin):
+        return forwards.tigon_apply_rotary_pos_emb_single(x, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+    check_op(ours, hf, [x, cos, sin], dtype=dtype, what="rope single")
+
+
+def test_single_form_under_gemma4_vision_multidimensional_rope(monkeypatch):
+    """A class patch makes the module's apply_rotary_pos_emb tigon's, which the vision tower's
+    apply_multidimensional_rope calls on each axis's slice of the head (strided views)."""
+    modeling = gemma4_modeling()
+    cos, sin = proportional_angles(8, 4)
+    cos, sin = torch.cat((cos, cos.flip(1)), -1), torch.cat((sin, sin.flip(1)), -1)  # (x, y): [B, T, 16]
+    positions = torch.zeros(B, T, 2, dtype=torch.long, device=DEVICE)
+    x = randn((B, T, H * 16), torch.float32).view(B, T, H, 16).requires_grad_(True)
+
+    def hf(x, cos, sin):
+        return modeling.apply_multidimensional_rope(x, cos, sin, positions)
+
+    def ours(x, cos, sin):
+        with monkeypatch.context() as m:
+            m.setattr(modeling, "apply_rotary_pos_emb", forwards.tigon_apply_rotary_pos_emb_single)
+            return modeling.apply_multidimensional_rope(x, cos, sin, positions)
+
+    check_op(ours, hf, [x, cos, sin], dtype=torch.float32, what="rope single (2-D)")
+
+
+# Gemma 4's other layer forms (the training test's model has none of them): its MoE block (the
+# dense MLP and the experts side by side), shared KV with the sharing layer's double-wide MLP,
+# and k = v on the full-attention layers.
+GEMMA4_VARIANTS = {
+    "moe": {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32},
+    "shared_kv": {"num_hidden_layers": 3, "layer_types": ["sliding_attention", "full_attention", "full_attention"],
+                  "num_kv_shared_layers": 1, "use_double_wide_mlp": True},
+    "k_eq_v": {"attention_k_eq_v": True, "num_global_key_value_heads": 1},
+}
+
+
+def one_step(model, ids, labels):
+    """(loss, gradients) of one training call and the logits before any update (train()'s
+    results without optimizer steps: AdamW's first update is about lr * sign(gradient), which a
+    gradient entry within rounding of 0 may flip, and these models have such entries)."""
+    model.train()
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    return [loss.item()], grads, logits
+
+
+@pytest.mark.parametrize("variant", list(GEMMA4_VARIANTS))
+def test_gemma4_layer_variants_match_hf(variant):
+    model = tiny_model("gemma4_text", **GEMMA4_VARIANTS[variant])
+    patched = copy.deepcopy(model)
+    ids, labels = batch(model.config.vocab_size)
+    ref = one_step(model, ids, labels)
+    report = tigon.patch(patched)
+    assert {"rms_norm", "swiglu", "rope", "loss"} <= report.pieces(), str(report)
+    layers = patched.model.layers
+    if variant == "moe":
+        assert any(w.startswith("Gemma4TextExperts") for p, w, _ in report.replaced if p == "swiglu"), str(report)
+    if variant == "shared_kv":
+        assert layers[2].mlp.down_proj.in_features == 2 * model.config.intermediate_size
+        assert "forward" in vars(layers[2].mlp) and "forward" in vars(layers[2].self_attn)
+    assert_same_training(ref, one_step(patched, ids, labels))
+
+
+def test_gemma4_audio_tower_norms_train_like_hf():
+    """Gemma 4's audio tower, whose Gemma4RMSNorm instances the language model's row patches in a
+    multimodal model: outputs and gradients as HF's."""
+    modeling = gemma4_modeling()
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("gemma4_audio", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  subsampling_conv_channels=[8, 4], output_proj_dims=64, conv_kernel_size=3,
+                                  attention_chunk_size=4, attention_context_left=5)
+    torch.manual_seed(0)
+    model = modeling.Gemma4AudioModel(config).to(DEVICE)
+    patched = copy.deepcopy(model)
+    assert "rms_norm" in apply_family(FAMILIES["gemma4"], model=patched).pieces()
+    gen = torch.Generator().manual_seed(1)
+    features = torch.randn(2, 24, 8, generator=gen).to(DEVICE)  # [B, frames, mel bins]
+    mask = torch.ones(2, 24, dtype=torch.bool, device=DEVICE)
+    mask[1, 20:] = False
+    cotangent = None
+
+    def run(m):
+        nonlocal cotangent
+        out = m(input_features=features, attention_mask=mask).last_hidden_state
+        if cotangent is None:
+            cotangent = torch.randn(out.shape, generator=gen).to(DEVICE)
+        out.backward(cotangent)
+        return out, {n: p.grad for n, p in m.named_parameters()}
+
+    (ref, ref_grads), (ours, our_grads) = run(model), run(patched)
+    assert rel(ours, ref) < 1e-5
+    for name, g in ref_grads.items():
+        assert rel(our_grads[name], g) < 1e-4, name
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "deepseek_v2", "deepseek_v3", "nemotron", "gemma4_text"])
 def test_new_forms_trace_without_graph_breaks(model_type):
     """The RoPE forms, LayerNorm1P and the ReLU² MLP under torch.compile's tracer: one graph, as HF's."""
     model = tiny_model(model_type, output_router_logits=False) if model_type == "gpt_oss" else tiny_model(model_type)

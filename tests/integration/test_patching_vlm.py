@@ -110,6 +110,30 @@ def _token_type_inputs(n_tokens, size=8):
 
 CASES["gemma3"] = (CASES["gemma3"][0], _token_type_inputs(4))
 CASES["paligemma"] = (CASES["paligemma"][0], _token_type_inputs(4, size=4))
+
+
+def _gemma4_inputs(cfg, grid=4):
+    """Gemma 4: each row's image as grid x grid patches [grid², 3 p p] with their (x, y)
+    positions, pooled k x k into grid² / k² image tokens, attended bidirectionally in the
+    sliding layers (mm_token_type_ids 1 at the image tokens)."""
+    v = cfg.vision_config
+    n_tokens = grid**2 // v.pooling_kernel_size**2
+    pixels = torch.randn(BATCH, grid**2, 3 * v.patch_size**2, generator=torch.Generator().manual_seed(2))
+    xy = torch.stack(torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="xy"), -1).reshape(-1, 2)
+    types = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    types[:, START:START + n_tokens] = 1
+    positions = xy.expand(BATCH, -1, -1)
+    return n_tokens, {"pixel_values": pixels, "image_position_ids": positions, "mm_token_type_ids": types}
+
+
+CASES["gemma4"] = (
+    {"text_config": {**TEXT, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"],
+                     "sliding_window": 8, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB,
+                     "global_head_dim": 32, "final_logit_softcapping": 30.0, "use_bidirectional_attention": "vision"},
+     "vision_config": {**SIGLIP, "num_key_value_heads": 2, "head_dim": 16, "pooling_kernel_size": 2,
+                       "position_embedding_size": 16},
+     "audio_config": None},
+    _gemma4_inputs)
 VLM_ROWS = [f for f in FAMILIES.values() if f.conditional_generation]
 # Rows without a training case yet (their model needs inputs this file does not build).
 NO_CASE = {"mllama": "cross-attention image states (aspect-ratio ids, cross-attention masks, tiles)"}

@@ -5,9 +5,11 @@ from tests.helpers import DTYPES, check_module, check_op, pick, randn, up
 from tests.ops.test_layer_norm import assert_compiles_like_eager
 from tigon import functional as TF
 from tigon.nn import TigonDyT
+from tigon.ops import dyt as dyt_ops
 
-# CPU: several rows a tile and several row blocks a backward program (257, 40); several column
-# stripes (3, 4200: 4096 wide in the forward, 2048 in the backward).
+# CPU: several row blocks (257, 40: 64-row forward tiles; 128-row backward tiles, two persistent
+# programs of one or two blocks each); several column blocks of 2048 (3, 4200: one backward
+# program a column block). More programs a column block: test_dyt_many_programs.
 SHAPES = pick(
     cpu=[(2, 3, 33), (257, 40), (3, 4200)],
     gpu=[(4, 1024, 4096), (16384, 8192), (3001, 8189), (65536, 768)],
@@ -45,6 +47,32 @@ def test_dyt_bfloat16_input_with_float32_parameters():
     x = randn((6, 40), torch.bfloat16, scale=2.0, requires_grad=True)
     _, alpha, gamma, beta = dyt_inputs((6, 40), torch.float32)
     check_op(TF.dyt, ref_dyt, [x, alpha, gamma, beta], dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape", [(5, 4200), (300, 40)])
+def test_dyt_many_programs(monkeypatch, shape):
+    """The backward's persistent grid as on a GPU: several programs a column block (their fp32
+    partial sums, of every column block, summed by dyt_partials_sum_kernel)."""
+    monkeypatch.setattr(dyt_ops, "persistent_programs", lambda device, n_tasks, per_sm: min(n_tasks, 9))
+    check_op(TF.dyt, ref_dyt, dyt_inputs(shape, torch.float32), dtype=torch.float32, what=f"dyt{shape}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("compute", [(True, True, True), (True, False, False), (False, True, False)])
+def test_dyt_partials_sum(dtype, compute):
+    """300 partial rows (three 128-row steps) of 100 columns (four 32-column programs), and
+    6000 dalpha partials (two steps): fp32 sums, outputs in the parameters' dtypes and shapes."""
+    partials = [randn(shape, torch.float32) if c else None for shape, c in zip([(300, 20), (300, 100), (300, 100)],
+                                                                               compute)]
+    alpha, gamma, beta = randn((), dtype), randn((100,), dtype), randn((100,), dtype)
+    sums = dyt_ops.dyt_partials_sum(*partials, alpha, gamma, beta)
+    for got, partial, like in zip(sums, partials, (alpha, gamma, beta)):
+        if partial is None:
+            assert got is None
+            continue
+        want = (partial.double().sum() if like.ndim == 0 else partial.double().sum(0)).to(dtype)
+        assert got.shape == like.shape and got.dtype == dtype
+        torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-4)
 
 
 def test_dyt_tanh_is_accurate_over_its_whole_range():

@@ -207,3 +207,28 @@ def test_kernel_op_compiles_to_eager_values_once_for_every_batch(case):
         assert "torch.ops.tigon" not in code, "Inductor called a tigon op instead of launching its kernels"
         assert "_kernel" in code
     torch._dynamo.reset()
+
+
+SAVES_OUTPUT = {"softmax", "sparsemax"}  # ops whose backward reads their output
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_op_outputs_take_in_place_updates(case):
+    """An op's output may be updated in place before the backward (``norm(h) += residual``, as
+    Gemma 4's audio tower does): the gradients are those of the out-of-place update."""
+    make, _ = CASES[case]
+    fn, inputs = make(2)
+
+    def updated_in_place(*leaves):
+        out = fn(*leaves)
+        out.mul_(3.0)
+        return out
+
+    want = outputs_and_grads(lambda *leaves: fn(*leaves) * 3.0, inputs, 0)
+    if case in SAVES_OUTPUT:  # as torch.softmax's: the backward reads the output, which changed
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            outputs_and_grads(updated_in_place, inputs, 0)
+        return
+    got = outputs_and_grads(updated_in_place, inputs, 0)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

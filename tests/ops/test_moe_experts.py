@@ -95,7 +95,7 @@ CASES = {
     "K 1, gelu_tanh, no skipped pair": ([torch.float32, torch.float16], SMALL, 1, {"skip": False},
                                         {"activation": "gelu_pytorch_tanh"}),
     "gpt-oss: interleaved, transposed, biases, clamped": (
-        [torch.bfloat16], WIDE, 2, {"bias": True, "transposed": True, "gate_scale": 2.0},
+        [torch.float32, torch.bfloat16], WIDE, 2, {"bias": True, "transposed": True, "gate_scale": 2.0},
         {"activation": "clamped_swiglu", "layout": "interleaved", "transposed": True, "alpha": 1.702, "limit": "safe"}),
     "interleaved, not transposed, biases, gelu_erf": ([torch.float32], SMALL, 3, {"bias": True},
                                                       {"activation": "gelu_erf", "layout": "interleaved"}),
@@ -107,10 +107,16 @@ def test_moe_experts_matches_reference(case):
     dtypes, shape, top_k, input_options, options = CASES[case]
     for dtype in dtypes:
         inputs = make_inputs(shape, dtype, top_k, **input_options)
+        case_tol, opts = tol(dtype), options
         if options.get("limit") == "safe":
-            options = {**options, "limit": limit_between_values(*inputs)}
-        ours, ref = moe(**options)
-        check_op(ours, ref, inputs, dtype=dtype, tol=tol(dtype), what=f"moe_experts[{case}, {dtype}]")
+            opts = {**options, "limit": limit_between_values(*inputs)}
+            # The limit is safe for the float64 values only: with the GPU's sizes, many gates and
+            # ups lie within a rounding of it and flip their clamp's gradient (eager torch on the
+            # H100, from float64: 5.6e-2 in bf16, 8.5e-4 in fp32). There the bound against eager
+            # torch's own error is the test.
+            case_tol = pick(cpu=case_tol, gpu=0.15 if dtype == torch.bfloat16 else 1e-2)
+        ours, ref = moe(**opts)
+        check_op(ours, ref, inputs, dtype=dtype, tol=case_tol, what=f"moe_experts[{case}, {dtype}]")
 
 
 @pytest.mark.parametrize("routing_kind", ["all to one expert", "all skipped"])
@@ -219,6 +225,11 @@ def test_moe_experts_matches_hf_expert_modules():
         x = randn((tokens, hidden), torch.float32, scale=3.0, requires_grad=True)
         idx = routing(tokens, experts, 2, skip=False)
         w = torch.rand(tokens, 2, device=DEVICE, requires_grad=True)
+        if "limit" in vars(module):  # gpt-oss: a clamp limit no gate or up lies within fp32 rounding of
+            p = dict(zip(names, params))
+            module.limit = limit_between_values(x, idx, w, p["gate_up_proj"], p["down_proj"], p["gate_up_proj_bias"],
+                                                None, near=module.limit)
+            options = {**options, "limit": module.limit, "alpha": module.alpha}
 
         def theirs(x, w, *params, module=module, idx=idx, names=names):
             return functional_call(module, dict(zip(names, params)), (x, idx, w))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import os
 import threading
@@ -52,9 +53,32 @@ def kernel_op(name: str, *, mutates_args=()):
     way. The body launches through ``tigon.ops._internals.launch``; a fake implementation is
     registered on the result as for any custom op."""
     KERNEL_OPS.append(name)
-    if _TRITON_OPS and not _INTERPRETER:
-        return torch.library.triton_op(name, mutates_args=mutates_args)
-    return torch.library.custom_op(name, mutates_args=mutates_args)
+    register = torch.library.triton_op if _TRITON_OPS and not _INTERPRETER else torch.library.custom_op
+
+    def decorator(fn):
+        @functools.wraps(fn)
+        def body(*args, **kwargs):
+            return _owned_outputs(fn(*args, **kwargs))
+
+        # The schema is inferred from fn's signature, its annotations resolved where fn lives.
+        body.__signature__ = inspect.signature(fn, eval_str=True)
+        return register(name, mutates_args=mutates_args)(body)
+
+    return decorator
+
+
+def _owned_outputs(out):
+    """The op's outputs, none of them an autograd view: a body that returns ``y.view(x.shape)``
+    of its own buffer would otherwise hand autograd a "view created inside a custom Function",
+    which refuses in-place updates (``norm(h) += residual``). detach() keeps the storage and
+    drops the view relation; traced calls are left as they are (the compiler owns aliasing)."""
+    if torch.compiler.is_compiling():
+        return out
+    if isinstance(out, torch.Tensor):
+        return out.detach() if out._is_view() else out
+    if isinstance(out, tuple):
+        return tuple(t.detach() if isinstance(t, torch.Tensor) and t._is_view() else t for t in out)
+    return out
 
 
 # Bytes of logits one chunk of a chunked loss may hold (fused linear cross entropy, the

@@ -123,6 +123,35 @@ def soft_cap(x, cap):
 
 
 @triton.jit
+def store_ignored_row(LOSS, Z_LOSS, grad_row, row, n_cols, HAS_Z_LOSS: tl.constexpr, COMPUTE_GRAD: tl.constexpr,
+                      BLOCK_V: tl.constexpr):
+    """A row whose target is ignore_index (cross_entropy_kernel, vocab_parallel_ce_kernel): loss
+    and z-loss 0, its gradient row (grad_row, n_cols wide) zeros; the logits are not read."""
+    tl.store(LOSS + row, 0.0)
+    if HAS_Z_LOSS:
+        tl.store(Z_LOSS + row, 0.0)
+    if COMPUTE_GRAD:
+        offs = tl.arange(0, BLOCK_V)
+        for start in range(0, n_cols, BLOCK_V):
+            cols = start + offs
+            tl.store(grad_row + cols, tl.zeros([BLOCK_V], dtype=grad_row.dtype.element_ty), mask=cols < n_cols)
+
+
+@triton.jit
+def finish_gradient(g, p, t, bad, ce_scale, z_scale, lse, lse_square_scale, HAS_Z_LOSS: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr):
+    """A block of a row's gradient (cross_entropy_kernel, vocab_parallel_ce_kernel) from g, its
+    cross-entropy part: times ce_scale, plus the z-loss's 2 lse_square_scale lse p times z_scale,
+    through the softcap (t = tanh(x / softcap), None without it); NaN on a bad row."""
+    g = g * ce_scale
+    if HAS_Z_LOSS:
+        g += 2.0 * lse_square_scale * lse * p * z_scale
+    if HAS_SOFTCAP:
+        g = g * (1.0 - t * t)
+    return tl.where(bad, float("nan"), g)
+
+
+@triton.jit
 def cross_entropy_kernel(
     LOGITS, stride_logits, GRAD, stride_grad, TARGET, WEIGHT, NORMS,
     LOSS, Z_LOSS, PREDICTED,
@@ -148,15 +177,9 @@ def cross_entropy_kernel(
         logits_row = LOGITS + row * stride_logits
         grad_row = GRAD + row * stride_grad
         if y == ignore_index:
-            tl.store(LOSS + row, 0.0)
-            if HAS_Z_LOSS:
-                tl.store(Z_LOSS + row, 0.0)
+            store_ignored_row(LOSS, Z_LOSS, grad_row, row, n_cols, HAS_Z_LOSS, COMPUTE_GRAD, BLOCK_V)
             if COMPUTE_ARGMAX:
                 tl.store(PREDICTED + row, -1)
-            if COMPUTE_GRAD:
-                for start in range(0, n_cols, BLOCK_V):
-                    cols = start + offs
-                    tl.store(grad_row + cols, tl.zeros([BLOCK_V], dtype=GRAD.dtype.element_ty), mask=cols < n_cols)
         else:
             # An out-of-range label (only reachable with the host check off) poisons the row.
             bad = (y < 0) | (y >= n_cols)
@@ -234,6 +257,7 @@ def cross_entropy_kernel(
                     mask = cols < n_cols
                     x = tl.load(logits_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
                     x = x.to(tl.float32)
+                    t = None  # tanh(x / softcap), for the softcap's derivative
                     if HAS_SOFTCAP:
                         x, t = soft_cap(x, softcap)
                     p = tl.exp(x - m) * inv_s
@@ -244,12 +268,8 @@ def cross_entropy_kernel(
                             g += label_smoothing / n_cols * (weight_sum * p - w)
                         else:
                             g += label_smoothing * (p - 1.0 / n_cols)
-                    g = g * ce_scale
-                    if HAS_Z_LOSS:
-                        g += 2.0 * lse_square_scale * lse * p * z_scale
-                    if HAS_SOFTCAP:
-                        g = g * (1.0 - t * t)
-                    g = tl.where(bad, float("nan"), g)
+                    g = finish_gradient(g, p, t, bad, ce_scale, z_scale, lse, lse_square_scale, HAS_Z_LOSS,
+                                        HAS_SOFTCAP)
                     tl.store(grad_row + cols, g.to(GRAD.dtype.element_ty), mask=mask)
 
 

@@ -1,13 +1,19 @@
 """Dynamic Tanh (DyT, Zhu et al. 2025): y = gamma * tanh(alpha * x) + beta over the last dim.
 
 x [..., N]; alpha a one-element tensor (the learnt scalar); gamma [N]; beta [N] or None. fp32
-arithmetic, output in x's dtype. The parameter gradients are reductions over the rows: each
-backward program keeps fp32 partial sums of its column stripe, summed on the host side.
+arithmetic, output in x's dtype. Both directions are bandwidth-bound (2 and 3 elements moved an
+element of x), so every element is read and written once:
+- forward: a flat grid of [BLOCK_M, BLOCK_N] tiles (4096 elements, 8 warps a program);
+- backward: a persistent grid of one 16-warp program an SM, (column blocks) x (P row programs).
+  A program walks every P-th row block of its column block with the parameter gradients'
+  sums in registers (elementwise, [BLOCK_M, BLOCK_N]: no reduction inside the loop), reduces
+  them once and writes fp32 partials ([P, N], P = SMs / column blocks); one small kernel sums
+  the partials into dgamma, dbeta and dalpha in their parameters' dtypes.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -15,7 +21,6 @@ import triton.language as tl
 from torch import Tensor
 
 from tigon.ops._common import (
-    RowConfig,
     as_rows,
     cdiv,
     check_same_device,
@@ -24,9 +29,9 @@ from tigon.ops._common import (
     fake_grad,
     kernel_op,
     new_output,
+    next_pow2,
     or_empty,
     persistent_programs,
-    row_block_config,
 )
 from tigon.ops._internals import launch
 
@@ -34,13 +39,13 @@ from tigon.ops._internals import launch
 @triton.jit
 def tanh_and_sech2(u):
     """(tanh(u), 1 - tanh(u)^2) in fp32, to a few ulp (libdevice's tanh does not run in the
-    interpreter; 2 sigmoid(2u) - 1 loses the relative precision of small u)."""
+    interpreter; 2 sigmoid(2u) - 1 loses the relative precision of small u). One division."""
     a = tl.abs(u)
-    e = tl.exp(-2.0 * a)
+    e = tl.exp2(a * -2.8853900817779268)  # exp(-2|u|), the factor 2 log2(e) folded
     # |u| >= 1/4: tanh = (1 - e) / (1 + e) with e <= 0.61 (no cancellation), and
-    # 1 - tanh^2 = 4e / (1 + e)^2 stays exact where tanh rounds to +-1.
+    # 1 - tanh^2 = 4e / (1 + e)^2 = e (1 + tanh)^2 stays exact where tanh rounds to +-1.
     big = (1.0 - e) / (1.0 + e)
-    sech2_big = 4.0 * e / ((1.0 + e) * (1.0 + e))
+    sech2_big = e * (1.0 + big) * (1.0 + big)
     # |u| < 1/4: Taylor series to u^11 (the next term is below 1e-9 relative).
     u2 = u * u
     poly = -1382.0 / 155925.0
@@ -57,12 +62,14 @@ def tanh_and_sech2(u):
 
 @triton.jit
 def dyt_forward_kernel(
-    X, stride_x, Y, stride_y, ALPHA, GAMMA, BETA, n_rows, n_cols,
+    X, stride_x, Y, stride_y, ALPHA, GAMMA, BETA, n_rows, n_cols, n_col_blocks,
     HAS_BETA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Grid (row blocks, column blocks): one [BLOCK_M, BLOCK_N] tile a program."""
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """One [BLOCK_M, BLOCK_N] tile a program, column blocks fastest (neighbouring programs
+    cover a band of whole rows)."""
+    pid = tl.program_id(0).to(tl.int64)
+    rows = (pid // n_col_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid % n_col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     mask = (rows < n_rows)[:, None] & col_mask[None, :]
     alpha = tl.load(ALPHA).to(tl.float32)
@@ -82,9 +89,9 @@ def dyt_backward_kernel(
     COMPUTE_DA: tl.constexpr, COMPUTE_DG: tl.constexpr, COMPUTE_DB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Grid (column blocks, programs per stripe): program (c, p) walks the row blocks p, p + P, ...
-    of column stripe c, and writes its fp32 partial sums once: dgamma and dbeta to row p of
-    [P, N] buffers, dalpha to [P, column blocks]."""
+    """Grid (column blocks, P): program (c, p) walks the row blocks p, p + P, ... of column
+    block c, and writes its fp32 partial sums once: dgamma and dbeta to row p of [P, N]
+    buffers, dalpha to [P, column blocks]."""
     col_block = tl.program_id(0)
     pid = tl.program_id(1)
     n_programs = tl.num_programs(1)
@@ -92,9 +99,9 @@ def dyt_backward_kernel(
     col_mask = cols < n_cols
     alpha = tl.load(ALPHA).to(tl.float32)
     gamma = tl.load(GAMMA + cols, mask=col_mask, other=0.0).to(tl.float32)
-    da = tl.zeros([BLOCK_N], dtype=tl.float32)
-    dg = tl.zeros([BLOCK_N], dtype=tl.float32)
-    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    da = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    dg = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for block in range(pid, tl.cdiv(n_rows, BLOCK_M), n_programs):
         rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         mask = (rows < n_rows)[:, None] & col_mask[None, :]
@@ -104,24 +111,76 @@ def dyt_backward_kernel(
         g = dy * gamma[None, :] * sech2  # the gradient of tanh's argument
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], (g * alpha).to(DX.dtype.element_ty), mask=mask)
         if COMPUTE_DA:
-            da += tl.sum(g * x, axis=0)
+            da += g * x
         if COMPUTE_DG:
-            dg += tl.sum(dy * t, axis=0)
+            dg += dy * t
         if COMPUTE_DB:
-            db += tl.sum(dy, axis=0)
+            db += dy
     if COMPUTE_DA:
-        tl.store(DA_PARTIAL + pid * tl.num_programs(0) + col_block, tl.sum(da, axis=0))
+        tl.store(DA_PARTIAL + pid * tl.num_programs(0) + col_block, tl.sum(da))
     if COMPUTE_DG:
-        tl.store(DG_PARTIAL + pid * n_cols + cols, dg, mask=col_mask)
+        tl.store(DG_PARTIAL + pid.to(tl.int64) * n_cols + cols, tl.sum(dg, axis=0), mask=col_mask)
     if COMPUTE_DB:
-        tl.store(DB_PARTIAL + pid * n_cols + cols, db, mask=col_mask)
+        tl.store(DB_PARTIAL + pid.to(tl.int64) * n_cols + cols, tl.sum(db, axis=0), mask=col_mask)
 
 
-def dyt_launch_config(n_cols: int, backward: bool = False) -> RowConfig:
-    """The RMSNorm kernels' launch shapes (``row_block_config``, measured on an H100) for column
-    stripes of up to 4096 (forward) or 2048 (backward: three fp32 accumulators of the stripe's
-    width a program) columns; DyT has no row reduction, so wider rows are walked in stripes."""
-    return row_block_config(min(n_cols, 2048 if backward else 4096), backward=backward)
+@triton.jit
+def dyt_partials_sum_kernel(
+    DA_PARTIAL, DG_PARTIAL, DB_PARTIAL, DA, DG, DB, n_partials, n_cols, n_da_partials,
+    COMPUTE_DA: tl.constexpr, COMPUTE_DG: tl.constexpr, COMPUTE_DB: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Program c: DG[cols] = sum over p of DG_PARTIAL[p, cols] (DB likewise) for its BLOCK_C
+    columns, in the outputs' dtypes; program 0 also DA[0] = the sum of the dalpha partials."""
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < n_cols
+    dg = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+    db = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+    for start in range(0, n_partials, BLOCK_P):
+        p = start + tl.arange(0, BLOCK_P).to(tl.int64)
+        mask = (p < n_partials)[:, None] & col_mask[None, :]
+        offsets = p[:, None] * n_cols + cols[None, :]
+        if COMPUTE_DG:
+            dg += tl.load(DG_PARTIAL + offsets, mask=mask, other=0.0)
+        if COMPUTE_DB:
+            db += tl.load(DB_PARTIAL + offsets, mask=mask, other=0.0)
+    if COMPUTE_DG:
+        tl.store(DG + cols, tl.sum(dg, axis=0).to(DG.dtype.element_ty), mask=col_mask)
+    if COMPUTE_DB:
+        tl.store(DB + cols, tl.sum(db, axis=0).to(DB.dtype.element_ty), mask=col_mask)
+    if COMPUTE_DA and pid == 0:
+        da = tl.zeros([BLOCK_P * BLOCK_C], dtype=tl.float32)
+        for start in range(0, n_da_partials, BLOCK_P * BLOCK_C):
+            k = start + tl.arange(0, BLOCK_P * BLOCK_C)
+            da += tl.load(DA_PARTIAL + k, mask=k < n_da_partials, other=0.0)
+        tl.store(DA, tl.sum(da, axis=0).to(DA.dtype.element_ty))
+
+
+class DytConfig(NamedTuple):
+    block_m: int  # rows a tile
+    block_n: int  # columns a tile
+    num_warps: int
+    programs_per_sm: int  # backward: persistent programs an SM
+
+
+# Widest column block of a tile (wider rows are walked in column blocks; DyT has no row reduction).
+DYT_MAX_BLOCK_N = 2048
+
+
+def dyt_forward_config(n_cols: int) -> DytConfig:
+    """4096 elements and 8 warps a program (16 elements a thread, as the row kernels' forward;
+    32 registers: a full SM). Register counts here: Triton 3.9 for sm_90, bf16."""
+    block_n = min(next_pow2(max(n_cols, 1)), DYT_MAX_BLOCK_N)
+    return DytConfig(max(1, 4096 // block_n), block_n, 8, 1)
+
+
+def dyt_backward_config(n_cols: int, element_size: int = 2) -> DytConfig:
+    """16 warps, one program an SM; 16-bit inputs: 8192-element tiles, 16 elements of x and of
+    dy a thread (32 KiB of loads in flight an SM) and three [BLOCK_M, BLOCK_N] fp32 sums, 122
+    registers (<= 128: the program fits an SM), no spills. fp32 inputs: 4096 (8192 spills)."""
+    block_n = min(next_pow2(max(n_cols, 1)), DYT_MAX_BLOCK_N)
+    return DytConfig(max(1, (16384 // max(element_size, 2)) // block_n), block_n, 16, 1)
 
 
 def check_dyt_args(x, alpha, gamma, beta):
@@ -141,55 +200,75 @@ def check_dyt_args(x, alpha, gamma, beta):
     return contiguous_or_none(alpha), contiguous_or_none(gamma), contiguous_or_none(beta)
 
 
-def dyt_forward(x, alpha, gamma, beta):
-    """x [..., N] -> y [..., N] (contiguous, x's dtype)."""
+def dyt_forward(x, alpha, gamma, beta, config: DytConfig | None = None):
+    """x [..., N] -> y [..., N] (contiguous, x's dtype). ``config``: a launch shape other than
+    ``dyt_forward_config``'s (tuning)."""
     alpha, gamma, beta = check_dyt_args(x, alpha, gamma, beta)
     x2 = as_rows(x)
     n_rows, n_cols = x2.shape
-    block_m, block_n, num_warps, _ = dyt_launch_config(n_cols)
+    block_m, block_n, num_warps, _ = config or dyt_forward_config(n_cols)
     y = new_output((n_rows, n_cols), x.dtype, x.device)
     if n_rows and n_cols:
-        launch(dyt_forward_kernel, (cdiv(n_rows, block_m), cdiv(n_cols, block_n)),
+        col_blocks = cdiv(n_cols, block_n)
+        launch(dyt_forward_kernel, (cdiv(n_rows, block_m) * col_blocks,),
             x2, x2.stride(0), y, y.stride(0), alpha, gamma, beta if beta is not None else gamma, n_rows, n_cols,
-            HAS_BETA=beta is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            col_blocks, HAS_BETA=beta is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )
     return y.view(x.shape)
 
 
-def dyt_backward(dy, x, alpha, gamma, beta, compute_da, compute_dg, compute_db):
+def dyt_partials_sum(da_partial, dg_partial, db_partial, alpha, gamma, beta):
+    """(dalpha like alpha, dgamma like gamma, dbeta like beta) from fp32 partials: da_partial
+    any shape, dg_partial / db_partial [P, N]; each None where its partial is None."""
+    partial = dg_partial if dg_partial is not None else db_partial
+    n_partials, n_cols = partial.shape if partial is not None else (0, 0)
+    da = new_output(alpha.shape, alpha.dtype, alpha.device) if da_partial is not None else None
+    dg = new_output((n_cols,), gamma.dtype, gamma.device) if dg_partial is not None else None
+    db = new_output((n_cols,), beta.dtype, beta.device) if db_partial is not None else None
+    some = next(t for t in (da_partial, dg_partial, db_partial) if t is not None)
+    # Few rows (P <= the SM count): one or two steps of 128, 32 columns a program. (Fixed: P is
+    # symbolic when the op body is traced with dynamic shapes.)
+    block_p, block_c = 128, 32
+    launch(dyt_partials_sum_kernel, (torch.sym_max(1, cdiv(n_cols, block_c)),),
+        *(t if t is not None else some for t in (da_partial, dg_partial, db_partial)),
+        *(t if t is not None else some for t in (da, dg, db)),
+        n_partials, n_cols, da_partial.numel() if da_partial is not None else 0,
+        COMPUTE_DA=da is not None, COMPUTE_DG=dg is not None, COMPUTE_DB=db is not None,
+        BLOCK_P=block_p, BLOCK_C=block_c, num_warps=4,
+    )
+    return da, dg, db
+
+
+def dyt_backward(dy, x, alpha, gamma, beta, compute_da, compute_dg, compute_db, config: DytConfig | None = None):
     """(dx like x, dalpha like alpha, dgamma like gamma, dbeta like beta); each parameter
-    gradient None when not computed."""
+    gradient None when not computed. ``config``: a launch shape other than
+    ``dyt_backward_config``'s (tuning)."""
     alpha, gamma = contiguous_or_none(alpha), contiguous_or_none(gamma)
     compute_db = compute_db and beta is not None
     x2, dy2 = as_rows(x), as_rows(dy)
     n_rows, n_cols = x2.shape
-    block_m, block_n, num_warps, per_sm = dyt_launch_config(n_cols, backward=True)
-    col_blocks = torch.sym_max(1, cdiv(n_cols, block_n))
+    dx = new_output((n_rows, n_cols), x.dtype, x.device)
+    if not (n_rows and n_cols):
+        zeros = [p.new_zeros(p.shape) if c else None for p, c in ((alpha, compute_da), (gamma, compute_dg),
+                                                                   (beta, compute_db))]
+        return dx.view(x.shape), *zeros
+    block_m, block_n, num_warps, per_sm = config or dyt_backward_config(n_cols, x.element_size())
+    col_blocks = cdiv(n_cols, block_n)
     n_programs = torch.sym_max(1, persistent_programs(x.device, cdiv(n_rows, block_m) * col_blocks, per_sm)
                                // col_blocks)
-    dx = new_output((n_rows, n_cols), x.dtype, x.device)
     f32 = torch.float32
     da = new_output((n_programs, col_blocks), f32, x.device) if compute_da else None
     dg = new_output((n_programs, n_cols), f32, x.device) if compute_dg else None
     db = new_output((n_programs, n_cols), f32, x.device) if compute_db else None
-    if n_rows and n_cols:
-        launch(dyt_backward_kernel, (col_blocks, n_programs),
-            dy2, dy2.stride(0), x2, x2.stride(0), dx, dx.stride(0), alpha, gamma,
-            da if da is not None else dx, dg if dg is not None else dx, db if db is not None else dx,
-            n_rows, n_cols,
-            COMPUTE_DA=compute_da, COMPUTE_DG=compute_dg, COMPUTE_DB=compute_db,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-        )
-    else:
-        for partial in (da, dg, db):
-            if partial is not None:
-                partial.zero_()
-    if da is not None:
-        da = da.sum().reshape(alpha.shape).to(alpha.dtype)
-    if dg is not None:
-        dg = dg.sum(0).to(gamma.dtype)
-    if db is not None:
-        db = db.sum(0).to(beta.dtype)
+    launch(dyt_backward_kernel, (col_blocks, n_programs),
+        dy2, dy2.stride(0), x2, x2.stride(0), dx, dx.stride(0), alpha, gamma,
+        da if da is not None else dx, dg if dg is not None else dx, db if db is not None else dx,
+        n_rows, n_cols,
+        COMPUTE_DA=compute_da, COMPUTE_DG=compute_dg, COMPUTE_DB=compute_db,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    if compute_da or compute_dg or compute_db:
+        da, dg, db = dyt_partials_sum(da, dg, db, alpha, gamma, beta)
     return dx.view(x.shape), da, dg, db
 
 

@@ -111,20 +111,33 @@ def loss_launch_config(n_rows, n_cols):
     return (cdiv(n_rows, block_m),), block_m, block_n, num_warps
 
 
-def _launch(x2, t2, out, gx, gt, dy2, denom, log_target, mode):
-    n_rows, n_cols = t2.shape
+def _rows_arg(t, placeholder):
+    """(t, its row stride), or (placeholder, 0) for a None t (its kernel flag keeps it unread);
+    a 1-D t (per-row sums, indexed by row alone) passes stride 0."""
+    if t is None:
+        return placeholder, 0
+    return t, t.stride(0) if t.ndim == 2 else 0
+
+
+def launch_row_loss(kernel, a2, b2, out, ga, gb, dy2, pointers, scalar, **constexprs):
+    """Launches a row loss of two inputs a2, b2 [rows, V] (kl_div_kernel, tvd_kernel), whose
+    arguments are A, B, OUT, GA, GB, DY (each followed by its row stride), ``pointers``, n_rows,
+    n_cols, ``scalar``, then ``constexprs`` and BLOCK_M, BLOCK_N. out, ga, gb and dy2 may be
+    None: the one placeholder ``b2`` goes in their place. Nothing runs without elements."""
+    n_rows, n_cols = b2.shape
     if not (n_rows and n_cols):
         return
     grid, block_m, block_n, num_warps = loss_launch_config(n_rows, n_cols)
-    launch(kl_div_kernel, grid,
-           x2, x2.stride(0), t2, t2.stride(0),
-           out if out is not None else t2, out.stride(0) if out is not None and out.ndim == 2 else 0,
-           gx if gx is not None else t2, gx.stride(0) if gx is not None else 0,
-           gt if gt is not None else t2, gt.stride(0) if gt is not None else 0,
-           dy2 if dy2 is not None else t2, dy2.stride(0) if dy2 is not None else 0,
-           n_rows, n_cols, denom,
-           LOG_TARGET=log_target, MODE=mode, COMPUTE_GX=gx is not None, COMPUTE_GT=gt is not None,
-           BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    launch(kernel, grid,
+           a2, a2.stride(0), b2, b2.stride(0),
+           *_rows_arg(out, b2), *_rows_arg(ga, b2), *_rows_arg(gb, b2), *_rows_arg(dy2, b2), *pointers,
+           n_rows, n_cols, scalar,
+           **constexprs, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+
+
+def _launch(x2, t2, out, gx, gt, dy2, denom, log_target, mode):
+    launch_row_loss(kl_div_kernel, x2, t2, out, gx, gt, dy2, (), denom,
+                    LOG_TARGET=log_target, MODE=mode, COMPUTE_GX=gx is not None, COMPUTE_GT=gt is not None)
 
 
 def check_reduction(reduction) -> None:
@@ -228,36 +241,49 @@ def _check_backward_args(dy, x, t):
     check_same_device(input=x, dy=dy)
 
 
-def _setup_context(ctx, inputs, output):
-    x, t, reduction, log_target, compute_gx, compute_gt = inputs
+def setup_row_loss_context(ctx, output, reduction, computed, saved, options):
+    """setup_context of a row loss of two inputs (kl_div, tvd) whose op returns (loss, grad_a,
+    grad_b): a reduction keeps the gradients its forward formed (``computed`` says which), "none"
+    saves ``saved`` and keeps ``options`` for its backward op."""
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(output[1], output[2])
     ctx.pointwise = reduction == "none"
-    ctx.log_target = log_target
     ctx.needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
     if ctx.pointwise:
-        ctx.save_for_backward(x, t)
+        ctx.options = options
+        ctx.save_for_backward(*saved)
     else:
-        ctx.computed = (compute_gx, compute_gt)
+        ctx.computed = computed
         ctx.save_for_backward(output[1], output[2])
 
 
-def _backward(ctx, d_loss, _d_gx, _d_gt):
-    need_gx, need_gt = ctx.needs
-    if d_loss is None or not (need_gx or need_gt):
-        return (None,) * 6
+def row_loss_backward(ctx, d_loss, name, backward_op):
+    """(grad_a, grad_b) of a row loss set up by ``setup_row_loss_context``, None where not asked
+    for. "none": backward_op(d_loss, *saved, *options, need_a, need_b); a reduction: the saved
+    gradients times d_loss (``scaled_gradient``)."""
+    need_a, need_b = ctx.needs
+    if d_loss is None or not (need_a or need_b):
+        return None, None
     if ctx.pointwise:
-        x, t = ctx.saved_tensors
-        gx, gt = kl_div_backward_op(d_loss, x, t, ctx.log_target, need_gx, need_gt)
+        ga, gb = backward_op(d_loss, *ctx.saved_tensors, *ctx.options, need_a, need_b)
     else:
-        if (need_gx and not ctx.computed[0]) or (need_gt and not ctx.computed[1]):
-            raise RuntimeError("kl_div ran without the gradient now asked for (grad mode was off, or the functional "
+        if (need_a and not ctx.computed[0]) or (need_b and not ctx.computed[1]):
+            raise RuntimeError(f"{name} ran without the gradient now asked for (grad mode was off, or the functional "
                                "entry was bypassed)")
-        saved_gx, saved_gt = ctx.saved_tensors
+        saved_a, saved_b = ctx.saved_tensors
         scale = d_loss.reshape(1).to(torch.float32)
-        gx = scaled_gradient(saved_gx, scale) if need_gx else None
-        gt = scaled_gradient(saved_gt, scale) if need_gt else None
-    return (gx if need_gx else None), (gt if need_gt else None), None, None, None, None
+        ga = scaled_gradient(saved_a, scale) if need_a else None
+        gb = scaled_gradient(saved_b, scale) if need_b else None
+    return (ga if need_a else None), (gb if need_b else None)
+
+
+def _setup_context(ctx, inputs, output):
+    x, t, reduction, log_target, compute_gx, compute_gt = inputs
+    setup_row_loss_context(ctx, output, reduction, (compute_gx, compute_gt), (x, t), (log_target,))
+
+
+def _backward(ctx, d_loss, _d_gx, _d_gt):
+    return *row_loss_backward(ctx, d_loss, "kl_div", kl_div_backward_op), None, None, None, None
 
 
 kl_div_op.register_autograd(_backward, setup_context=_setup_context)

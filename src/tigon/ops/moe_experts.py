@@ -25,7 +25,9 @@ How it runs, with no per-expert Python loop and no other host synchronisation:
   and, when a backward will follow, g and u [TK, 2I] (kept instead of h);
   ``moe_scatter_matmul_kernel`` forms w * (h @ down[e]^T + b) and stores each row at its pair's
   place, the sum over K is then a plain reduction (deterministic: no atomics).
-- backward: ``moe_down_backward_kernel`` forms dout[t] @ down[e] per sorted row and, in its
+- backward: dout's rows are copied once into sorted order (then, for dW_gate_up, x's), so that
+  the row-contracting kernels read contiguous ranges. ``moe_down_backward_kernel`` forms
+  dout[t] @ down[e] per sorted row and, in its
   epilogue, h (recomputed from g, u), the routing-weight gradient's partial sums over its
   columns, w * h (for dW_down) and dg, du through the activation's backward;
   ``moe_scatter_matmul_kernel`` again for dx = [dg | du] @ gate_up[e] (un-permuted, summed over
@@ -78,16 +80,14 @@ GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0  # gpt-oss's swiglu_alpha / swiglu_lim
 # ---- launch shapes ----
 #
 # Rows per block (BLOCK_M) are shared by every kernel of a call (the routing table is cut in
-# blocks of that size): 128 when experts average >= 1024 rows (Mixtral-8x7B at T 8192: 2048),
-# else 64 (Qwen3-30B-A3B at T 8192: 512 a expert), so that the last, ragged block of each expert
-# wastes less. Tiles per kernel, (BLOCK_N, BLOCK_K, num_warps, num_stages), chosen for the H100
-# from Triton's matmul configurations (128 x 256 x 64 outputs per program with 8 warps and 3
-# stages: the gate/up kernel's two 128 x 128 accumulators are that shape; shared memory 3 x 48
-# KiB), then checked by compiling for sm_90 (pipelined loads, warp-group MMA, no register
-# spills): the activation backward's epilogue holds ~6 fp32 tiles, so its tile is narrower.
-# Not yet timed on the GPU. The expert-gradient kernel's tile is (BLOCK_N, BLOCK_M2, rows per
-# step, warps, stages).
-# TIGON_MOE_TILES (JSON, read at import) overrides them for a sweep (benchmarks/tuning/tune_moe.py):
+# blocks of that size): 128 when experts average >= 256 rows, else 64, so that the last, ragged
+# block of each expert wastes less. Tiles per kernel, (BLOCK_N, BLOCK_K, num_warps, num_stages);
+# the expert-gradient kernel's (BLOCK_N, BLOCK_M2, rows per step, warps, stages). Both sets were
+# found by benchmarks/tuning/tune_moe.py on the H100 (bf16, T 8192, forward + backward): "many
+# rows" on Mixtral-8x7B's layer (2048 rows an expert; 38.2 -> 33.7 ms over the previous
+# defaults), "few rows" on Qwen3-30B-A3B's (512 rows an expert; 7.00 ms with BLOCK_M 64 -> 6.12).
+# The activation backward's epilogue holds ~6 fp32 tiles: its tile stays narrow.
+# TIGON_MOE_TILES (JSON, read at import) overrides them for a sweep:
 # {"block_m": 128, "gate_up": [128, 64, 8, 3], "down": [...], "down_backward": [...],
 #  "expert_grad": [128, 128, 64, 8, 3]}.
 class Tiles(NamedTuple):
@@ -97,11 +97,11 @@ class Tiles(NamedTuple):
     expert_grad: tuple
 
 
-GPU_TILES = {
-    128: Tiles(gate_up=(128, 64, 8, 3), down=(256, 64, 8, 3), down_backward=(64, 64, 8, 3),
-               expert_grad=(128, 128, 64, 8, 3)),
-    64: Tiles(gate_up=(128, 64, 8, 4), down=(256, 64, 8, 3), down_backward=(128, 64, 8, 3),
-              expert_grad=(128, 128, 64, 8, 3)),
+GPU_TILES = {  # least rows an expert (on average) -> tiles
+    1024: Tiles(gate_up=(128, 32, 8, 4), down=(256, 64, 8, 3), down_backward=(128, 64, 8, 4),
+                expert_grad=(128, 256, 64, 8, 4)),
+    0: Tiles(gate_up=(64, 64, 4, 4), down=(256, 64, 8, 3), down_backward=(64, 128, 8, 3),
+             expert_grad=(128, 256, 64, 8, 4)),
 }
 # fp32 operands: twice the bytes a tile, and no tensor cores without tf32: smaller tiles that fit
 # shared memory (227 KiB) and registers.
@@ -144,13 +144,17 @@ def moe_block_m(n_pairs, n_experts) -> int:
         return INTERPRETER_BLOCK_M
     if "block_m" in _OVERRIDES:
         return int(_OVERRIDES["block_m"])
-    return 128 if n_pairs >= 1024 * n_experts else 64
+    return 128 if n_pairs >= 256 * n_experts else 64
 
 
-def moe_tiles(block_m: int, dtype: torch.dtype) -> Tiles:
+def moe_tiles(n_pairs, n_experts, dtype: torch.dtype) -> Tiles:
+    """The kernels' tiles for n_pairs pairs over n_experts experts in ``dtype``."""
     if interpreter_enabled():
         return INTERPRETER_TILES
-    tiles = FP32_TILES if dtype == torch.float32 else GPU_TILES.get(block_m, GPU_TILES[128])
+    if dtype == torch.float32:
+        tiles = FP32_TILES
+    else:
+        tiles = GPU_TILES[max(k for k in GPU_TILES if n_pairs >= k * n_experts)]
     return tiles._replace(**{k: tuple(v) for k, v in _OVERRIDES.items() if k != "block_m"})
 
 
@@ -324,15 +328,15 @@ def moe_scatter_matmul_kernel(
 def moe_down_backward_kernel(
     DOUT, stride_dt, stride_dh, W, stride_we, stride_wk, stride_wn, BIAS,
     GU, DGU, HW, TOPW, DW_PART, ORDER, BLOCK_EXPERT, BLOCK_ROW, BLOCK_END,
-    n_blocks, n_experts, n_pairs, top_k, hidden, inter, alpha, limit,
+    n_blocks, n_experts, n_pairs, hidden, inter, alpha, limit,
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_DGU: tl.constexpr, STORE_HW: tl.constexpr,
     STORE_DW: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
 ):
-    """For each sorted row r (pair p, token t, weight w) of expert e and columns n of I:
-    dy = dout[t] @ W[e] (W[e]'s H index at k * stride_wk, its I index at n * stride_wn);
-    h, dh/dg, dh/du recomputed from GU; DW_PART[pid_n, p] = sum_n dy h (+ dout[t] . bias[e]
-    in column tile 0); HW = w h; DGU = [w dy dh/dg | w dy dh/du]. The skipped pairs get zeros
+    """For each sorted row r (pair p, weight w) of expert e and columns n of I: dy = DOUT[r] @ W[e]
+    (DOUT: dout's rows in sorted order; W[e]'s H index at k * stride_wk, its I index at n *
+    stride_wn); h, dh/dg, dh/du recomputed from GU; DW_PART[pid_n, p] = sum_n dy h (+ DOUT[r] .
+    bias[e] in column tile 0); HW = w h; DGU = [w dy dh/dg | w dy dh/du]. The skipped pairs get zeros
     in DW_PART (their other rows are never read)."""
     alpha = tl.cast(alpha, tl.float32)
     limit = tl.cast(limit, tl.float32)
@@ -345,11 +349,10 @@ def moe_down_backward_kernel(
             tl.store(DW_PART + pid_n.to(tl.int64) * n_pairs + pairs, tl.zeros((BLOCK_M,), dtype=tl.float32),
                      mask=row_mask)
         return
-    tokens = pairs // top_k
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < inter
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = DOUT + tokens[:, None] * stride_dt + ks[None, :] * stride_dh
+    a_ptrs = DOUT + rows[:, None] * stride_dt + ks[None, :] * stride_dh
     w_ptrs = W + e.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None] * stride_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     bias_dot = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -391,16 +394,16 @@ def moe_down_backward_kernel(
 def moe_expert_grad_kernel(
     A, stride_ar, stride_an, B, stride_br, stride_bm, SCALE, OUT, stride_oe, stride_on, stride_om, out_part2,
     DBIAS, bias_step, bias_part2, ORDER, BUCKET_START,
-    n_experts, top_k, n_len, m_len,
-    A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, TWO_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SCALE_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    n_experts, n_len, m_len,
+    TWO_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
 ):
-    """OUT[e] = sum over expert e's sorted rows r of A[r]^T B[r] (rows of A and / or B gathered by
-    token with A_GATHER / B_GATHER), [n_len (x 2 with TWO_PARTS), m_len] per expert. A's column
-    n of part q lands in OUT's row n * stride_on + q * out_part2. With HAS_BIAS the programs of
-    column tile 0 also write DBIAS[e] = sum_r (SCALE[pair] with SCALE_BIAS) A[r]. An expert
-    with no rows gets zeros."""
+    """OUT[e] = sum over expert e's sorted rows r of A[r]^T B[r], A and B both in sorted row order
+    (contiguous row ranges: plain strided loads the compiler pipelines), [n_len (x 2 with
+    TWO_PARTS), m_len] per expert. A's column n of part q lands in OUT's row n * stride_on + q *
+    out_part2. With HAS_BIAS the programs of column tile 0 also write DBIAS[e] = sum_r
+    (SCALE[ORDER[r]] with SCALE_BIAS) A[r]. An expert with no rows gets zeros."""
     n_tiles_part = tl.cdiv(n_len, BLOCK_N)
     n_tiles = n_tiles_part * (2 if TWO_PARTS else 1)
     m_tiles = tl.cdiv(m_len, BLOCK_M)
@@ -417,24 +420,13 @@ def moe_expert_grad_kernel(
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     bias_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # A's tile loaded transposed, [BLOCK_N, BLOCK_K]: a column-major operand of the dot.
+    a_ptrs = A + (start + ks.to(tl.int64))[None, :] * stride_ar + (part * n_len + ns)[:, None] * stride_an
+    b_ptrs = B + (start + ks.to(tl.int64))[:, None] * stride_br + ms[None, :] * stride_bm
     for r0 in range(start, end, BLOCK_K):
-        rows = r0 + ks.to(tl.int64)
-        row_mask = rows < end
-        if A_GATHER or B_GATHER or SCALE_BIAS:
-            pairs = tl.load(ORDER + rows, mask=row_mask, other=0).to(tl.int64)
-        if A_GATHER:
-            a_rows = pairs // top_k
-        else:
-            a_rows = rows
-        if B_GATHER:
-            b_rows = pairs // top_k
-        else:
-            b_rows = rows
-        # A's tile loaded transposed, [BLOCK_N, BLOCK_K]: a column-major operand of the dot.
-        a_t = tl.load(A + a_rows[None, :] * stride_ar + (part * n_len + ns)[:, None] * stride_an,
-                      mask=n_mask[:, None] & row_mask[None, :], other=0.0)
-        b = tl.load(B + b_rows[:, None] * stride_br + ms[None, :] * stride_bm,
-                    mask=row_mask[:, None] & m_mask[None, :], other=0.0)
+        row_mask = ks < end - r0
+        a_t = tl.load(a_ptrs, mask=n_mask[:, None] & row_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=row_mask[:, None] & m_mask[None, :], other=0.0)
         if UPCAST:
             acc = tl.dot(a_t.to(tl.float32), b.to(tl.float32), acc, input_precision=DOT_PRECISION)
         else:
@@ -442,8 +434,11 @@ def moe_expert_grad_kernel(
         if HAS_BIAS:
             af = a_t.to(tl.float32)
             if SCALE_BIAS:
+                pairs = tl.load(ORDER + r0 + ks, mask=row_mask, other=0).to(tl.int64)
                 af *= tl.load(SCALE + pairs, mask=row_mask, other=0.0).to(tl.float32)[None, :]
             bias_acc += tl.sum(af, axis=1)
+        a_ptrs += BLOCK_K * stride_ar
+        b_ptrs += BLOCK_K * stride_br
     e64 = e.to(tl.int64)
     out_rows = ns.to(tl.int64) * stride_on + part * out_part2
     tl.store(OUT + e64 * stride_oe + out_rows[:, None] + ms[None, :] * stride_om, acc.to(OUT.dtype.element_ty),
@@ -550,7 +545,7 @@ def moe_experts_forward(x, top_k_index, top_k_weights, gate_up_proj, down_proj, 
     inter = down_proj.shape[1] if transposed else down_proj.shape[2]
     n_pairs = n_tokens * top_k
     block_m = moe_block_m(n_pairs, n_experts)
-    tiles = moe_tiles(block_m, x.dtype)
+    tiles = moe_tiles(n_pairs, n_experts, x.dtype)
     n_blocks = moe_n_blocks(n_pairs, n_experts, block_m)
     routing = moe_routing(top_k_index, n_experts, block_m)
     gu = new_output((n_pairs, 2 * inter), x.dtype, x.device) if compute_grad else None
@@ -595,13 +590,19 @@ def moe_experts_backward(dout, x, top_k_weights, gu, routing, gate_up_proj, down
         return tuple(t.new_zeros(t.shape) if need else None for t, need in zip(
             (x, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias), needs))
     block_m = moe_block_m(n_pairs, n_experts)
-    tiles = moe_tiles(block_m, x.dtype)
+    tiles = moe_tiles(n_pairs, n_experts, x.dtype)
     n_blocks = moe_n_blocks(n_pairs, n_experts, block_m)
     views = _routing_views(routing, n_pairs, n_blocks)
     order, block_expert, block_row, block_end, bucket_start = views
     precision = _dot_precision(x.dtype)
     geo = _geometry(layout, inter)
     dx = dw = dgate_up = ddown = dgate_up_bias = ddown_bias = None
+
+    # The weight gradients contract over each expert's rows: dout's and x's rows are copied once
+    # into sorted order (a gather the size of dout, then of x), so that every kernel below reads
+    # contiguous row ranges; the dx kernel's rows are sorted already.
+    sorted_tokens = order.to(torch.int64) // top_k
+    dout_sorted = dout.index_select(0, sorted_tokens)
 
     # dout @ down[e] and the activation's backward: d[g | u], w h, the routing weights' partial sums.
     store_dgu = need_x or need_gu or need_gub
@@ -613,11 +614,11 @@ def moe_experts_backward(dout, x, top_k_weights, gu, routing, gate_up_proj, down
     dw_part = new_output((n_tiles_i, n_pairs), torch.float32, x.device) if need_w else None
     h_axis, i_axis = _down_axes(down_proj, transposed)
     launch(moe_down_backward_kernel, (n_blocks * n_tiles_i,),
-           dout, dout.stride(0), dout.stride(1), down_proj, down_proj.stride(0), h_axis, i_axis,
+           dout_sorted, dout_sorted.stride(0), dout_sorted.stride(1), down_proj, down_proj.stride(0), h_axis, i_axis,
            down_bias if down_bias is not None else x,
            gu, dgu if dgu is not None else gu, hw if hw is not None else gu, top_k_weights,
            dw_part if dw_part is not None else gu, order, block_expert, block_row, block_end,
-           n_blocks, n_experts, n_pairs, top_k, hidden, inter, alpha, limit,
+           n_blocks, n_experts, n_pairs, hidden, inter, alpha, limit,
            ACTIVATION=MOE_ACTIVATIONS[activation], HAS_BIAS=down_bias is not None, STORE_DGU=store_dgu,
            STORE_HW=store_hw, STORE_DW=need_w, DOT_PRECISION=precision, UPCAST=UPCAST_DOT,
            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=GROUP_M, num_warps=num_warps,
@@ -631,15 +632,15 @@ def moe_experts_backward(dout, x, top_k_weights, gu, routing, gate_up_proj, down
         ddown_bias = new_output(down_bias.shape, down_bias.dtype, x.device) if need_db else None
         out_h, out_i = _down_axes(ddown, transposed)
         launch(moe_expert_grad_kernel, (n_experts * cdiv(hidden, block_n) * cdiv(inter, block_m2),),
-               dout, dout.stride(0), dout.stride(1), hw, hw.stride(0), 1, top_k_weights, ddown, ddown.stride(0),
-               out_h, out_i, 0, ddown_bias if need_db else ddown, 1, 0, order, bucket_start,
-               n_experts, top_k, hidden, inter,
-               A_GATHER=True, B_GATHER=False, TWO_PARTS=False, HAS_BIAS=need_db, SCALE_BIAS=True,
+               dout_sorted, dout_sorted.stride(0), dout_sorted.stride(1), hw, hw.stride(0), 1, top_k_weights, ddown,
+               ddown.stride(0), out_h, out_i, 0, ddown_bias if need_db else ddown, 1, 0, order, bucket_start,
+               n_experts, hidden, inter,
+               TWO_PARTS=False, HAS_BIAS=need_db, SCALE_BIAS=True,
                DOT_PRECISION=precision, UPCAST=UPCAST_DOT, BLOCK_N=block_n, BLOCK_M=block_m2, BLOCK_K=block_k,
                GROUP=GROUP_M, num_warps=num_warps, num_stages=num_stages)
         if not need_down:
             ddown = None
-        hw = None  # freed before dx's [TK, H] rows are allocated: a lower peak
+    dout_sorted = hw = None  # freed before dx's [TK, H] rows are allocated: a lower peak
 
     if need_x:  # d[g | u] @ gate_up[e], un-permuted and summed over K
         rows_stride, h_stride = _gate_up_axes(gate_up_proj, transposed)
@@ -652,15 +653,16 @@ def moe_experts_backward(dout, x, top_k_weights, gu, routing, gate_up_proj, down
         pair_rows = None
 
     if need_gu or need_gub:  # dW_gate_up[e] = d[g | u]^T x over the expert's rows; its bias: column sums
+        x_sorted = x.index_select(0, sorted_tokens)
         dgate_up = new_output(gate_up_proj.shape, gate_up_proj.dtype, x.device)
         dgate_up_bias = new_output(gate_up_bias.shape, gate_up_bias.dtype, x.device) if need_gub else None
         out_rows, out_h = _gate_up_axes(dgate_up, transposed)
         launch(moe_expert_grad_kernel, (n_experts * 2 * cdiv(inter, block_n) * cdiv(hidden, block_m2),),
-               dgu, dgu.stride(0), 1, x, x.stride(0), x.stride(1), x, dgate_up, dgate_up.stride(0),
-               geo.gate_step * out_rows, out_h, geo.up_row * out_rows,
+               dgu, dgu.stride(0), 1, x_sorted, x_sorted.stride(0), x_sorted.stride(1), x, dgate_up,
+               dgate_up.stride(0), geo.gate_step * out_rows, out_h, geo.up_row * out_rows,
                dgate_up_bias if need_gub else dgate_up, geo.gate_step, geo.up_row, order, bucket_start,
-               n_experts, top_k, inter, hidden,
-               A_GATHER=False, B_GATHER=True, TWO_PARTS=True, HAS_BIAS=need_gub, SCALE_BIAS=False,
+               n_experts, inter, hidden,
+               TWO_PARTS=True, HAS_BIAS=need_gub, SCALE_BIAS=False,
                DOT_PRECISION=precision, UPCAST=UPCAST_DOT, BLOCK_N=block_n, BLOCK_M=block_m2, BLOCK_K=block_k,
                GROUP=GROUP_M, num_warps=num_warps, num_stages=num_stages)
         if not need_gu:

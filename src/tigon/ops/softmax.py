@@ -50,9 +50,12 @@ def softmax_forward_kernel(X, stride_x, Y, stride_y, n_rows, n_cols, BLOCK_M: tl
 
 
 @triton.jit
-def softmax_backward_kernel(DY, stride_dy, Y, stride_y, DX, stride_dx, n_rows, n_cols,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Persistent grid: each program walks row blocks pid, pid + G, ..., whole rows in registers."""
+def row_backward_loop(DY, stride_dy, Y, stride_y, DX, stride_dx, n_rows, n_cols, ROW_GRAD: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The persistent backward of a row op y = f(x) whose dx needs only y and dy (softmax,
+    sparsemax): each program walks row blocks pid, pid + G, ..., whole rows in registers, and
+    writes dx = ROW_GRAD(dy, y) (a @triton.jit function of [BLOCK_M, BLOCK_N] fp32 blocks,
+    inlined; padding reads y = dy = 0)."""
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     for block in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
@@ -60,9 +63,21 @@ def softmax_backward_kernel(DY, stride_dy, Y, stride_y, DX, stride_dx, n_rows, n
         mask = (rows < n_rows)[:, None] & col_mask[None, :]
         y = tl.load(Y + rows[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dot = tl.sum(y * dy, axis=1)
-        dx = y * (dy - dot[:, None])
+        dx = ROW_GRAD(dy, y)
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def softmax_row_grad(dy, y):
+    dot = tl.sum(y * dy, axis=1)
+    return y * (dy - dot[:, None])
+
+
+@triton.jit
+def softmax_backward_kernel(DY, stride_dy, Y, stride_y, DX, stride_dx, n_rows, n_cols,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Persistent grid over row blocks (``row_backward_loop``): dx = y * (dy - sum(dy * y))."""
+    row_backward_loop(DY, stride_dy, Y, stride_y, DX, stride_dx, n_rows, n_cols, softmax_row_grad, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -192,16 +207,22 @@ def _(dy, y):
     return y.new_empty(y.shape)
 
 
-def _setup_context(ctx, inputs, output):
+def _save_output(ctx, inputs, output):
     ctx.save_for_backward(output)
 
 
-def _backward(ctx, dy):
-    (y,) = ctx.saved_tensors
-    return softmax_backward_op(dy, y)
+def register_output_autograd(op, backward_op) -> None:
+    """Autograd of a row op y = op(x) whose dx = backward_op(dy, y) needs only its output
+    (softmax, sparsemax)."""
+
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        return backward_op(dy, y)
+
+    op.register_autograd(backward, setup_context=_save_output)
 
 
-softmax_op.register_autograd(_backward, setup_context=_setup_context)
+register_output_autograd(softmax_op, softmax_backward_op)
 
 
 def check_dim(dim, x) -> int:

@@ -34,7 +34,7 @@ from tigon.ops._common import (
     row_block_config,
 )
 from tigon.ops._internals import launch
-from tigon.ops.softmax import check_row_op_backward_args
+from tigon.ops.softmax import check_row_op_backward_args, register_output_autograd, row_backward_loop
 
 # Outputs at or below this are 0 (see the forward kernel): far above tau's fp64 rounding, far
 # below any fp32 input's resolution.
@@ -108,21 +108,20 @@ def sparsemax_forward_kernel(X, stride_x, Y, stride_y, n_rows, n_cols, BLOCK_M: 
 
 
 @triton.jit
+def sparsemax_row_grad(dy, y):
+    support = y > 0.0
+    count = tl.sum(support.to(tl.float32), axis=1)
+    mean = tl.sum(tl.where(support, dy, 0.0), axis=1) / tl.maximum(count, 1.0)
+    return tl.where(support, dy - mean[:, None], tl.where(y == y, 0.0, float("nan")))  # noqa: PLR0124
+
+
+@triton.jit
 def sparsemax_backward_kernel(DY, stride_dy, Y, stride_y, DX, stride_dx, n_rows, n_cols,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Persistent grid over row blocks: dx = [y > 0] (dy - mean of dy over y > 0); NaN where y is."""
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < n_cols
-    for block in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
-        rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        mask = (rows < n_rows)[:, None] & col_mask[None, :]
-        y = tl.load(Y + rows[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        support = y > 0.0
-        count = tl.sum(support.to(tl.float32), axis=1)
-        mean = tl.sum(tl.where(support, dy, 0.0), axis=1) / tl.maximum(count, 1.0)
-        dx = tl.where(support, dy - mean[:, None], tl.where(y == y, 0.0, float("nan")))  # noqa: PLR0124
-        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    """Persistent grid over row blocks (``row_backward_loop``): dx = [y > 0] (dy - mean of dy
+    over y > 0); NaN where y is."""
+    row_backward_loop(DY, stride_dy, Y, stride_y, DX, stride_dx, n_rows, n_cols, sparsemax_row_grad, BLOCK_M,
+                      BLOCK_N)
 
 
 def check_sparsemax_input(x):
@@ -186,13 +185,4 @@ def _(dy, y):
     return y.new_empty(y.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(output)
-
-
-def _backward(ctx, dy):
-    (y,) = ctx.saved_tensors
-    return sparsemax_backward_op(dy, y)
-
-
-sparsemax_op.register_autograd(_backward, setup_context=_setup_context)
+register_output_autograd(sparsemax_op, sparsemax_backward_op)

@@ -31,9 +31,7 @@ from tigon.ops._common import (
     new_output,
     or_empty,
 )
-from tigon.ops._internals import launch
-from tigon.ops.cross_entropy import scaled_gradient
-from tigon.ops.kl_div import check_reduction, loss_launch_config
+from tigon.ops.kl_div import check_reduction, launch_row_loss, row_loss_backward, setup_row_loss_context
 
 REDUCTION_CODES = {"none": 0, "sum": 1, "mean": 2, "batchmean": 3}
 
@@ -114,21 +112,10 @@ def check_tvd_args(p, q, labels):
 
 
 def _launch(p2, q2, out, gp, gq, dy2, labels, kept, ignore_index, reduction, backward):
-    n_rows, n_cols = p2.shape
-    if not (n_rows and n_cols):
-        return
-    grid, block_m, block_n, num_warps = loss_launch_config(n_rows, n_cols)
-    launch(tvd_kernel, grid,
-           p2, p2.stride(0), q2, q2.stride(0),
-           out if out is not None else p2, out.stride(0) if out is not None and out.ndim == 2 else 0,
-           gp if gp is not None else p2, gp.stride(0) if gp is not None else 0,
-           gq if gq is not None else p2, gq.stride(0) if gq is not None else 0,
-           dy2 if dy2 is not None else p2, dy2.stride(0) if dy2 is not None else 0,
-           labels if labels is not None else p2, kept if kept is not None else p2,
-           n_rows, n_cols, ignore_index,
-           REDUCTION=REDUCTION_CODES[reduction], BACKWARD=backward, HAS_LABELS=labels is not None,
-           COMPUTE_GP=gp is not None, COMPUTE_GQ=gq is not None,
-           BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    launch_row_loss(tvd_kernel, p2, q2, out, gp, gq, dy2,
+                    (labels if labels is not None else p2, kept if kept is not None else p2), ignore_index,
+                    REDUCTION=REDUCTION_CODES[reduction], BACKWARD=backward, HAS_LABELS=labels is not None,
+                    COMPUTE_GP=gp is not None, COMPUTE_GQ=gq is not None)
 
 
 def _labels(labels):
@@ -196,34 +183,11 @@ def _(dy, p, q, labels, ignore_index, compute_grad_p, compute_grad_q):
 
 def _setup_context(ctx, inputs, output):
     p, q, labels, reduction, ignore_index, compute_gp, compute_gq = inputs
-    ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(output[1], output[2])
-    ctx.pointwise = reduction == "none"
-    ctx.needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-    if ctx.pointwise:
-        ctx.ignore_index = ignore_index
-        ctx.save_for_backward(p, q, labels)
-    else:
-        ctx.computed = (compute_gp, compute_gq)
-        ctx.save_for_backward(output[1], output[2])
+    setup_row_loss_context(ctx, output, reduction, (compute_gp, compute_gq), (p, q, labels), (ignore_index,))
 
 
 def _backward(ctx, d_loss, _d_gp, _d_gq):
-    need_gp, need_gq = ctx.needs
-    if d_loss is None or not (need_gp or need_gq):
-        return (None,) * 7
-    if ctx.pointwise:
-        p, q, labels = ctx.saved_tensors
-        gp, gq = tvd_backward_op(d_loss, p, q, labels, ctx.ignore_index, need_gp, need_gq)
-    else:
-        if (need_gp and not ctx.computed[0]) or (need_gq and not ctx.computed[1]):
-            raise RuntimeError("tvd ran without the gradient now asked for (grad mode was off, or the functional "
-                               "entry was bypassed)")
-        saved_gp, saved_gq = ctx.saved_tensors
-        scale = d_loss.reshape(1).to(torch.float32)
-        gp = scaled_gradient(saved_gp, scale) if need_gp else None
-        gq = scaled_gradient(saved_gq, scale) if need_gq else None
-    return (gp if need_gp else None), (gq if need_gq else None), None, None, None, None, None
+    return *row_loss_backward(ctx, d_loss, "tvd", tvd_backward_op), None, None, None, None, None
 
 
 tvd_op.register_autograd(_backward, setup_context=_setup_context)

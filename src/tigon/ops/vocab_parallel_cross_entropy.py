@@ -52,11 +52,13 @@ from tigon.ops.cross_entropy import (
     check_option_values,
     check_target_and_class_weight,
     cross_entropy_norms,
+    finish_gradient,
     loss_scale,
     reduce_loss_rows,
     rows_alias,
     scaled_gradient,
     soft_cap,
+    store_ignored_row,
 )
 
 # Stats columns a row: the shard's max, sum exp(z - max), target logit, hit (1.0 when the target
@@ -162,13 +164,7 @@ def vocab_parallel_ce_kernel(
         logits_row = LOGITS + row * stride_logits
         grad_row = GRAD + row * stride_grad
         if y == ignore_index:
-            tl.store(LOSS + row, 0.0)
-            if HAS_Z_LOSS:
-                tl.store(Z_LOSS + row, 0.0)
-            if COMPUTE_GRAD:
-                for start in range(0, n_cols, BLOCK_V):
-                    cols = start + offs
-                    tl.store(grad_row + cols, tl.zeros([BLOCK_V], dtype=GRAD.dtype.element_ty), mask=cols < n_cols)
+            store_ignored_row(LOSS, Z_LOSS, grad_row, row, n_cols, HAS_Z_LOSS, COMPUTE_GRAD, BLOCK_V)
         else:
             big_m = -float("inf")
             for r in range(world_size):
@@ -204,18 +200,15 @@ def vocab_parallel_ce_kernel(
                     cols = start + offs
                     mask = cols < n_cols
                     x = tl.load(logits_row + cols, mask=mask, other=0.0).to(tl.float32)
+                    t = None  # tanh(x / softcap), for the softcap's derivative
                     if HAS_SOFTCAP:
                         x, t = soft_cap(x, softcap)
                     p = tl.exp(x - big_m) * inv_s
                     g = (1.0 - label_smoothing) * (p - tl.where(cols == local, 1.0, 0.0))
                     if HAS_SMOOTHING:
                         g += label_smoothing * (p - 1.0 / vocab)
-                    g = g * ce_scale
-                    if HAS_Z_LOSS:
-                        g += 2.0 * lse_square_scale * lse * p * z_scale
-                    if HAS_SOFTCAP:
-                        g = g * (1.0 - t * t)
-                    g = tl.where(bad, float("nan"), g)
+                    g = finish_gradient(g, p, t, bad, ce_scale, z_scale, lse, lse_square_scale, HAS_Z_LOSS,
+                                        HAS_SOFTCAP)
                     tl.store(grad_row + cols, g.to(GRAD.dtype.element_ty), mask=mask)
 
 

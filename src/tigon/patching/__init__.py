@@ -47,6 +47,7 @@ patch_falcon_h1 = family_patcher("falcon_h1")
 patch_nemotron = family_patcher("nemotron")
 patch_nemotron_h = family_patcher("nemotron_h")
 patch_gemma3n = family_patcher("gemma3n")
+patch_gemma4 = family_patcher("gemma4")
 # Vision-language families
 patch_qwen2_vl = family_patcher("qwen2_vl")
 patch_qwen2_5_vl = family_patcher("qwen2_5_vl")
@@ -65,6 +66,7 @@ patch_pixtral = family_patcher("pixtral")
 patch_mllama = family_patcher("mllama")
 patch_llama4 = family_patcher("llama4")
 patch_llama4_vl = family_patcher("llama4_vl")
+patch_gemma4_vl = family_patcher("gemma4_vl")
 
 PATCHERS = {name: value for name, value in globals().items() if name.startswith("patch_")}
 

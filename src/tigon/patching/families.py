@@ -31,6 +31,9 @@ class Family:
     mlps: tuple[str, ...] = ()  # dense gated MLP classes
     mlp_layout: str = "gate_up_down"  # or "fused_gate_up": gate_up_proj(x).chunk(2) -> (gate, up)
     experts: str | None = None  # MoE experts class with stacked 3-D gate_up_proj / down_proj
+    # The experts class's own _apply_gate as a tigon.ops.moe_experts activation ("clamped_swiglu":
+    # gpt-oss's, alpha / limit read from the module); None: HF's default gate, act_fn(gate) * up.
+    experts_activation: str | None = None
     relu2_mlps: tuple[str, ...] = ()  # non-gated MLP classes: down_proj(relu(up_proj(x))^2) (Nemotron)
     logit_softcap: str | None = None  # config attribute: logits = cap * tanh(logits / cap)
     logit_divisor: str | None = None  # config attribute: logits = logits / divisor (Granite)
@@ -97,9 +100,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("glm4_moe", ("glm4_moe",), _m("glm4_moe"), "Glm4MoeForCausalLM", ("Glm4MoeRMSNorm",),
            mlps=("Glm4MoeMLP",), experts="Glm4MoeExperts"),
     Family("gpt_oss", ("gpt_oss",), _m("gpt_oss"), "GptOssForCausalLM", ("GptOssRMSNorm",), "gemma",
-           rope_form="half_angles",
-           left_to_hf=(("swiglu", ("GptOssExperts: a clamped SwiGLU, (up + 1) * gate * sigmoid(1.702 gate), with "
-                                   "biases on interleaved gate / up columns of [E, H, 2I] weights")),)),
+           rope_form="half_angles", experts="GptOssExperts", experts_activation="clamped_swiglu"),
     Family("qwen3_next", ("qwen3_next",), _m("qwen3_next"), "Qwen3NextForCausalLM", ("Qwen3NextRMSNorm",), "gemma",
            1.0, mlps=("Qwen3NextMLP",), experts="Qwen3NextExperts", mlp_output_saved=True,
            left_to_hf=(("rms_norm", "Qwen3NextRMSNormGated: norm(x) * silu(gate) in the linear attention"),)),
@@ -131,6 +132,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            note="rope: Gemma 3n rotates q and k in separate calls, apply_rotary_pos_emb(x, cos, sin)",
            left_to_hf=(("swiglu", "Gemma3nTextMLP: its activation-sparsity layers cut the gate at a Gaussian "
                                   "quantile"),)),
+    # Gemma 4: weight applied as is (no 1 +), v / router norms without weight; one tensor per RoPE call
+    # (proportional RoPE on full-attention layers: cos 1, sin 0 past the rotated part).
+    Family("gemma4", ("gemma4_text",), _m("gemma4"), "Gemma4ForCausalLM", ("Gemma4RMSNorm",), "gemma",
+           rope_form="single", mlps=("Gemma4TextMLP",), experts="Gemma4TextExperts",
+           logit_softcap="final_logit_softcapping", mlp_output_saved=True,
+           left_to_hf=(("swiglu", ("the per-layer-input gate, gelu(per_layer_input_gate(h)) * per_layer_input: "
+                                   "its second factor is an embedding, not a projection of h")),)),
     # Vision-language families
     # Qwen-VL / GLM-4V: the multimodal RoPE's sections (temporal, height, width) are picked in the
     # rotary embedding, which hands the attention cos / sin [B, T, R]: the attention's RoPE is the
@@ -199,6 +207,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            note="rope: the vision tower's vision_apply_rotary_emb (2-D complex) stays HF's; the language "
                 "model's is row llama4's",
            left_to_hf=(("swiglu", "Llama4VisionMLP: not gated"),)),
+    Family("gemma4_vl", ("gemma4",), _m("gemma4"), None, rope=None, vision_mlps=("Gemma4VisionMLP",),
+           logit_softcap="final_logit_softcapping", conditional_generation="Gemma4ForConditionalGeneration",
+           parts=("gemma4",),
+           note="rope: the language model's, by its own row (in built models the vision tower's 2-D "
+                "apply_multidimensional_rope stays HF's)",
+           left_to_hf=(("swiglu", "Gemma4AudioFeedForward: not gated"),)),
 )}
 
 BY_MODEL_TYPE: dict[str, Family] = {t: f for f in FAMILIES.values() for t in f.model_types}

@@ -22,6 +22,7 @@ from tigon.ops._common import ThreadFlag, thread_flag
 from tigon.ops.cross_entropy import deferred_label_checks
 from tigon.ops.glu import TORCH_ACTIVATIONS
 from tigon.ops.glu_mlp import gated_mlp, glu_down
+from tigon.ops.moe_experts import CLAMPED_SWIGLU
 
 # The patched forwards call tigon's ops, which are torch.library custom ops: torch.compile
 # traces a patched model with each op as one node of its graph (no graph break).
@@ -208,33 +209,132 @@ def relu_squared_mlp_forward(self, x):
 relu_squared_mlp_forward._tigon = "ReLU² MLP"
 
 
+# HF 5.x stacked experts (MixtralExperts and kin, wrapped by transformers' use_experts_implementation,
+# which sets has_gate, has_bias, is_transposed, is_concatenated, and in newer versions
+# has_post_expert_norm and _is_expert_parallel on each instance; read with the defaults older
+# versions imply) run on tigon's fused op whatever config._experts_implementation says ("eager",
+# "grouped_mm", ...), when the op computes what HF's forward would; otherwise HF's forward runs.
+_moe_experts = TF.moe_experts
+_MOE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
+
+
+def experts_activation(module: nn.Module) -> str | None:
+    """The experts' ``act_fn`` as a tigon name, or None for one tigon does not fuse (found once
+    per kind of activation, as mlp_activation, but no error: such experts run HF's code)."""
+    act = activation_module(module)
+    key = (type(act), getattr(act, "approximate", None))
+    if key not in _ACTIVATION_OF:
+        _ACTIVATION_OF[key] = identify_activation(act)
+    return _ACTIVATION_OF[key]
+
+
+def hf_default_gate(cls: type) -> bool:
+    """cls gates as HF's default ``_apply_gate`` (act_fn(gate) * up of the halves), or tigon's
+    replacement of it; False for a class with a gate of its own (gpt-oss's clamped SwiGLU)."""
+    gate = getattr(cls, "_apply_gate", None)
+    if gate is None or gate is tigon_apply_gate:  # transformers without _apply_gate: the eager loop's formula
+        return True
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:
+        return False
+    return gate is _default_apply_gate
+
+
+def _plain_weight(module: nn.Module, name: str, ndim: int) -> bool:
+    p = getattr(module, name, None)
+    return (type(p) in _PLAIN_TENSORS and p.ndim == ndim and p.dtype in _MOE_DTYPES
+            and p.device.type != "meta")
+
+
+def experts_has_bias(module: nn.Module) -> bool:
+    return bool(getattr(module, "has_bias", getattr(module, "gate_up_proj_bias", None) is not None))
+
+
+def fused_experts_blocker(module: nn.Module, activation: str | None, own_gate: bool = False) -> str | None:
+    """Why tigon's fused op cannot run ``module``'s experts as HF would, or None when it can.
+    ``activation``: the gate's activation (None: one tigon does not fuse); ``own_gate``: it is
+    the class's own ``_apply_gate`` named by the family row (else HF's default gate)."""
+    if not getattr(module, "has_gate", True):
+        return "experts without a gate (has_gate=False)"
+    if getattr(module, "has_post_expert_norm", False):
+        return "a norm after each expert (has_post_expert_norm)"
+    if getattr(module, "_is_expert_parallel", False):
+        return "expert parallel (HF's sentinel routing)"
+    if not own_gate and not getattr(module, "is_concatenated", True):
+        return "interleaved gate / up columns with HF's default gate"
+    if own_gate and not all(hasattr(module, flag) for flag in ("is_concatenated", "is_transposed")):
+        return "its own gate, without is_concatenated / is_transposed to say its weights' layout"
+    names = ("gate_up_proj", "down_proj")
+    for name in names:
+        if not _plain_weight(module, name, 3):
+            return f"{name} is not a plain 3-D fp32 / bf16 / fp16 tensor"
+    if experts_has_bias(module):
+        for name in names:
+            if not _plain_weight(module, f"{name}_bias", 2):
+                return f"{name}_bias is not a plain 2-D fp32 / bf16 / fp16 tensor"
+    n_experts = module.gate_up_proj.shape[0]
+    if getattr(module, "num_experts", n_experts) != n_experts:
+        return f"num_experts ({module.num_experts}) is not gate_up_proj's {n_experts} experts"
+    if activation is None:
+        return f"activation {activation_module(module)!r} is not one tigon fuses"
+    return None
+
+
+def experts_options(module: nn.Module, activation: str) -> dict:
+    """tigon.functional.moe_experts' options for HF experts ``module`` (see fused_experts_blocker)."""
+    transposed = getattr(module, "is_transposed", getattr(module, "experts_are_transposed", False))
+    options = {"activation": activation, "transposed": bool(transposed),
+               "layout": "gate_up" if getattr(module, "is_concatenated", True) else "interleaved"}
+    if experts_has_bias(module):
+        options.update(gate_up_bias=module.gate_up_proj_bias, down_bias=module.down_proj_bias)
+    if activation == CLAMPED_SWIGLU:
+        options.update(alpha=float(module.alpha), limit=float(module.limit))
+    return options
+
+
 def tigon_apply_gate(self, gate_up_out):
-    """HF's MoE ``_apply_gate``: act(gate) * up of a [S, 2I] gate/up projection, fused."""
+    """HF's default MoE ``_apply_gate``: act(gate) * up of a [S, 2I] gate/up projection, fused
+    (HF's formula for an activation tigon does not fuse)."""
     gate, up = gate_up_out.chunk(2, dim=-1)
-    return _glu(gate, up, mlp_activation(self))
+    activation = experts_activation(self)
+    if activation is None:
+        return self.act_fn(gate) * up
+    return _glu(gate, up, activation)
 
 
-def make_experts_forward(original):
-    """Stacked experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]): the eager loop with the
-    gate fused; other HF experts implementations run their own code, which calls _apply_gate."""
+MOE_EXPERTS = "MoE experts (tigon fused grouped GEMM)"
 
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        if getattr(getattr(self, "config", None), "_experts_implementation", None) not in (None, "eager"):
-            return original(self, hidden_states, top_k_index, top_k_weights)
-        out = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
-            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-        for expert in hit[:, 0].tolist():
-            if expert == self.num_experts:
-                continue
-            pos, token = torch.where(mask[expert])
-            gate_up = nn.functional.linear(hidden_states[token], self.gate_up_proj[expert])
-            h = nn.functional.linear(tigon_apply_gate(self, gate_up), self.down_proj[expert])
-            out.index_add_(0, token, (h * top_k_weights[token, pos, None]).to(out.dtype))
-        return out
 
-    forward._tigon = "MoE experts (gate fused)"
+def make_experts_forward(original, activation: str | None = None):
+    """The stacked experts' forward(hidden_states [T, H], top_k_index [T, K], top_k_weights
+    [T, K]) on tigon's fused op (tigon.ops.moe_experts), whatever config._experts_implementation
+    names; ``original`` (HF's forward, which dispatches on it) where the op would not compute
+    what HF does (fused_experts_blocker). ``activation``: the class's own gate as the op names it
+    (gpt-oss: "clamped_swiglu"); None: HF's default gate on the module's act_fn."""
+    original = getattr(original, "_tigon_original", original)
+    try:
+        names = tuple(inspect.signature(original).parameters)[2:4]
+    except (TypeError, ValueError):
+        names = ()
+    if len(names) != 2:
+        names = ("top_k_index", "top_k_weights")
+
+    def forward(self, hidden_states, *args, **kwargs):
+        # The routing arguments bound by name with plain dict operations (what torch.compile traces).
+        call = dict(zip(names, args))
+        bound = len(args) <= 2 and not any(k in call for k in kwargs)
+        call.update(kwargs)
+        act = activation or experts_activation(self)
+        if not bound or len(call) != 2 or any(k not in call for k in names) or \
+                fused_experts_blocker(self, act, own_gate=activation is not None) is not None:
+            return original(self, hidden_states, *args, **kwargs)
+        return _moe_experts(hidden_states, call[names[0]], call[names[1]], self.gate_up_proj, self.down_proj,
+                            **experts_options(self, act))
+
+    forward._tigon = MOE_EXPERTS
+    forward._tigon_original = original
     return forward
 
 
@@ -318,6 +418,16 @@ def tigon_apply_rotary_pos_emb_vision(q, k, cos, sin):
 tigon_apply_rotary_pos_emb_vision._tigon = "rope (vision)"
 
 
+def tigon_apply_rotary_pos_emb_single(x, cos, sin, unsqueeze_dim=1):
+    """Drop-in for Gemma 3n's / Gemma 4's ``apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1)``:
+    one tensor a call (q and k rotate in separate calls), halves as rotate_half. The op's k is an
+    empty view of x (no heads: nothing read or written for it)."""
+    return _rope(x, x.narrow(unsqueeze_dim, 0, 0), cos, sin, None, unsqueeze_dim)[0]
+
+
+tigon_apply_rotary_pos_emb_single._tigon = "rope (single)"
+
+
 # HF's RoPE forms (families.Family.rope_form) -> tigon's drop-in.
 ROPE_FORMS = {
     "half": tigon_apply_rotary_pos_emb,
@@ -327,6 +437,7 @@ ROPE_FORMS = {
     "complex_bthd": tigon_apply_rotary_emb_complex_bthd,
     "interleaved": tigon_apply_rotary_pos_emb_interleaved,
     "vision": tigon_apply_rotary_pos_emb_vision,
+    "single": tigon_apply_rotary_pos_emb_single,
 }
 
 

@@ -37,9 +37,13 @@ from tigon.ops._internals import PRIVATE_APIS
 from tigon.patching.families import BY_MODEL_TYPE, FAMILIES, Family
 from tigon.patching.forwards import (
     IGNORE_CAUSAL_MASK_PARAMS,
+    MOE_EXPERTS,
     TigonPatchError,
     activation_module,
     check_relu_squared_activation,
+    experts_activation,
+    fused_experts_blocker,
+    hf_default_gate,
     identify_activation,
     make_capturing_head_forward,
     make_causal_lm_forward,
@@ -67,11 +71,12 @@ log = logging.getLogger("tigon")
 @dataclass(frozen=True)
 class PatchOptions:
     """What a patch replaces. rope: HF's apply_rotary_pos_emb; rms_norm: every RMSNorm;
-    swiglu: the MLPs' activation (gated SwiGLU / GeGLU, non-gated ReLU², MoE experts' gates);
-    fused_linear_cross_entropy: the training loss from the last hidden state, without the
-    logits; cross_entropy: the loss with tigon's cross entropy over materialised logits
-    (instead of FLCE); chunk_budget: bytes of logits an FLCE chunk may hold (None: 512 MiB);
-    layer_norm: the LayerNorms a family row names (Nemotron's LayerNorm1P)."""
+    swiglu: the MLPs' activation (gated SwiGLU / GeGLU, non-gated ReLU²) and MoE experts
+    (fused grouped GEMM); fused_linear_cross_entropy: the training loss from the last hidden
+    state, without the logits; cross_entropy: the loss with tigon's cross entropy over
+    materialised logits (instead of FLCE); chunk_budget: bytes of logits an FLCE chunk may
+    hold (None: 512 MiB); layer_norm: the LayerNorms a family row names (Nemotron's
+    LayerNorm1P)."""
 
     rope: bool = True
     rms_norm: bool = True
@@ -434,6 +439,10 @@ def _apply_row(family: Family, options: PatchOptions, model: nn.Module | None) -
     for cls in relu2_classes:
         _check_single_input(cls, family, "swiglu")
     experts_class = _hf(mod, family, family.experts, "swiglu") if opts.swiglu and family.experts else None
+    if experts_class is not None and family.experts_activation is None and not hf_default_gate(experts_class):
+        why = "a gate of its own (_apply_gate), which the row does not name (experts_activation)"
+        report.skipped.append(("swiglu", f"{experts_class.__name__}: {why}"))
+        experts_class = None
     # The causal LM and / or the image+text model: (class, is the image+text one)
     lm_classes = [(_hf(mod, family, name, "loss"), composite) for name, composite in
                   ((family.causal_lm, False), (family.conditional_generation, True)) if name] if opts.loss else []
@@ -459,7 +468,7 @@ def _apply_row(family: Family, options: PatchOptions, model: nn.Module | None) -
             for attr in ("gate_up_proj", "down_proj"):
                 if getattr(e, attr, None) is None or getattr(e, attr).ndim != 3:
                     raise TigonPatchError(f"{family.name}: {experts_class.__name__}.{attr} is not a stacked "
-                                          "[experts, out, in] parameter in this transformers version")
+                                          "3-D [experts, ., .] parameter in this transformers version")
     if model is not None:
         for cls in layer_norm_classes:
             for inst in _instances(model, cls):
@@ -468,9 +477,17 @@ def _apply_row(family: Family, options: PatchOptions, model: nn.Module | None) -
                                           "not the last dim only as tigon's layer_norm does")
         # Found now, not at the first forward (which torch.compile may be tracing: evaluating
         # the activation there would break its graph); raises for an activation tigon does not fuse.
-        for cls in mlp_classes + vision_mlp_classes + ([experts_class] if experts_class is not None else []):
+        for cls in mlp_classes + vision_mlp_classes:
             for inst in _instances(model, cls):
                 mlp_activation(inst)
+        # Experts the fused op cannot run (an activation tigon does not fuse, expert parallel, ...)
+        # run HF's forward: said in the report.
+        for inst in _instances(model, experts_class) if experts_class is not None else ():
+            activation = family.experts_activation or experts_activation(inst)
+            why = fused_experts_blocker(inst, activation, own_gate=family.experts_activation is not None)
+            note = ("swiglu", f"{experts_class.__name__}: {why}; HF's forward runs")
+            if why is not None and note not in report.skipped:
+                report.skipped.append(note)
         for cls in relu2_classes:
             for inst in _instances(model, cls):
                 check_relu_squared_activation(inst)
@@ -509,9 +526,11 @@ def _apply_row(family: Family, options: PatchOptions, model: nn.Module | None) -
     for cls in relu2_classes:
         put(cls, "forward", relu_squared_mlp_forward, "swiglu", f"{cls.__name__} (ReLU², non-gated)")
     if experts_class is not None:
-        put(experts_class, "forward", make_experts_forward(experts_class.forward), "swiglu",
-            f"{experts_class.__name__} (eager loop)")
-        put(experts_class, "_apply_gate", tigon_apply_gate, "swiglu", f"{experts_class.__name__}._apply_gate")
+        gate = family.experts_activation
+        put(experts_class, "forward", make_experts_forward(experts_class.forward, gate), "swiglu",
+            f"{experts_class.__name__}: {MOE_EXPERTS}{f' with its {gate} gate' if gate else ''}")
+        if gate is None:  # HF's default gate, which its other forwards call: fused too
+            put(experts_class, "_apply_gate", tigon_apply_gate, "swiglu", f"{experts_class.__name__}._apply_gate")
     if ropes:
         _patch_rope(mod, ropes, model, report)
     for lm_class, composite in lm_classes:
