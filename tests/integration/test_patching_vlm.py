@@ -109,6 +109,25 @@ def _token_type_inputs(n_tokens, size=8):
 
 
 CASES["gemma3"] = (CASES["gemma3"][0], _token_type_inputs(4))
+
+
+def _mllama_inputs(cfg):
+    """Mllama: one image token a row, its image as 2 tiles (aspect ratio 1 x 2) that the text from
+    the image token on cross-attends to."""
+    pixels = torch.randn(BATCH, 1, 2, 3, 8, 8, generator=torch.Generator().manual_seed(2))
+    cross = torch.zeros(BATCH, SEQ, 1, 2, dtype=torch.long)
+    cross[:, START:] = 1
+    return 1, dict(pixel_values=pixels, aspect_ratio_ids=torch.full((BATCH, 1), 2),
+                   aspect_ratio_mask=torch.ones(BATCH, 1, 2, dtype=torch.long), cross_attention_mask=cross)
+
+
+# A self-attention layer, then a cross-attention one; a 1-layer tower (and 1 global layer) of 2 tiles.
+CASES["mllama"] = (dict(text_config=dict(TEXT, num_hidden_layers=2, cross_attention_layers=[1]),
+                        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_global_layers=1, attention_heads=2, image_size=8, patch_size=2,
+                                           max_num_tiles=2, supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]],
+                                           intermediate_layers_indices=[0], vision_output_dim=64)),
+                   _mllama_inputs)
 CASES["paligemma"] = (CASES["paligemma"][0], _token_type_inputs(4, size=4))
 
 
@@ -136,7 +155,7 @@ CASES["gemma4"] = (
     _gemma4_inputs)
 VLM_ROWS = [f for f in FAMILIES.values() if f.conditional_generation]
 # Rows without a training case yet (their model needs inputs this file does not build).
-NO_CASE = {"mllama": "cross-attention image states (aspect-ratio ids, cross-attention masks, tiles)"}
+NO_CASE = {}
 
 
 @pytest.fixture(autouse=True)
