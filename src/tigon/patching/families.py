@@ -127,9 +127,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            rope=None, relu2_mlps=("NemotronHMLP",), note="rope: Nemotron-H's attention has no position embedding",
            left_to_hf=(("rms_norm", "NemotronHRMSNormGated: the Mamba mixer's grouped norm(x) * silu(gate)"),
                        ("swiglu", "NemotronHExperts: non-gated ReLU² experts, [E, I, H] up / [E, H, I] down"))),
-    Family("gemma3n", ("gemma3n_text",), _m("gemma3n"), "Gemma3nForCausalLM", ("Gemma3nRMSNorm",), "gemma", rope=None,
-           logit_softcap="final_logit_softcapping",
-           note="rope: Gemma 3n rotates q and k in separate calls, apply_rotary_pos_emb(x, cos, sin)",
+    # Gemma 3n rotates q and k in separate calls, apply_rotary_pos_emb(x, cos, sin): the "single" form.
+    Family("gemma3n", ("gemma3n_text",), _m("gemma3n"), "Gemma3nForCausalLM", ("Gemma3nRMSNorm",), "gemma",
+           rope_form="single", logit_softcap="final_logit_softcapping",
            left_to_hf=(("swiglu", "Gemma3nTextMLP: its activation-sparsity layers cut the gate at a Gaussian "
                                   "quantile"),)),
     # Gemma 4: weight applied as is (no 1 +), v / router norms without weight; one tensor per RoPE call
