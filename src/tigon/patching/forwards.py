@@ -134,17 +134,22 @@ def activation_module(module: nn.Module):
     return getattr(module, "act_fn", None) or getattr(module, "activation_fn", None)
 
 
-def mlp_activation(module: nn.Module) -> str:
-    """The module's activation as a tigon name, found once per kind of activation; error if unsupported."""
+def fused_activation(module: nn.Module) -> str | None:
+    """The module's activation (``act_fn``) as a tigon name, or None for one tigon does not fuse;
+    found once per kind of activation."""
     act = activation_module(module)
     key = (type(act), getattr(act, "approximate", None))
-    name = _ACTIVATION_OF.get(key)
+    if key not in _ACTIVATION_OF:
+        _ACTIVATION_OF[key] = identify_activation(act)
+    return _ACTIVATION_OF[key]
+
+
+def mlp_activation(module: nn.Module) -> str:
+    """fused_activation, an error if unsupported (MoE experts take None: they run HF's code)."""
+    name = fused_activation(module)
     if name is None:
-        name = identify_activation(act)
-        if name is None:
-            raise TigonPatchError(f"{type(module).__name__}: activation {act!r} is not one tigon fuses "
-                                  f"(SiLU, GELU tanh, GELU erf); patch with swiglu=False")
-        _ACTIVATION_OF[key] = name
+        raise TigonPatchError(f"{type(module).__name__}: activation {activation_module(module)!r} is not one tigon "
+                              f"fuses (SiLU, GELU tanh, GELU erf); patch with swiglu=False")
     return name
 
 
@@ -219,16 +224,6 @@ _MOE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
 
 
-def experts_activation(module: nn.Module) -> str | None:
-    """The experts' ``act_fn`` as a tigon name, or None for one tigon does not fuse (found once
-    per kind of activation, as mlp_activation, but no error: such experts run HF's code)."""
-    act = activation_module(module)
-    key = (type(act), getattr(act, "approximate", None))
-    if key not in _ACTIVATION_OF:
-        _ACTIVATION_OF[key] = identify_activation(act)
-    return _ACTIVATION_OF[key]
-
-
 def hf_default_gate(cls: type) -> bool:
     """cls gates as HF's default ``_apply_gate`` (act_fn(gate) * up of the halves), or tigon's
     replacement of it; False for a class with a gate of its own (gpt-oss's clamped SwiGLU)."""
@@ -298,7 +293,7 @@ def tigon_apply_gate(self, gate_up_out):
     """HF's default MoE ``_apply_gate``: act(gate) * up of a [S, 2I] gate/up projection, fused
     (HF's formula for an activation tigon does not fuse)."""
     gate, up = gate_up_out.chunk(2, dim=-1)
-    activation = experts_activation(self)
+    activation = fused_activation(self)
     if activation is None:
         return self.act_fn(gate) * up
     return _glu(gate, up, activation)
@@ -326,7 +321,7 @@ def make_experts_forward(original, activation: str | None = None):
         call = dict(zip(names, args))
         bound = len(args) <= 2 and not any(k in call for k in kwargs)
         call.update(kwargs)
-        act = activation or experts_activation(self)
+        act = activation or fused_activation(self)
         if not bound or len(call) != 2 or any(k not in call for k in names) or \
                 fused_experts_blocker(self, act, own_gate=activation is not None) is not None:
             return original(self, hidden_states, *args, **kwargs)

@@ -41,7 +41,7 @@ from tigon.patching.forwards import (
     TigonPatchError,
     activation_module,
     check_relu_squared_activation,
-    experts_activation,
+    fused_activation,
     fused_experts_blocker,
     hf_default_gate,
     identify_activation,
@@ -483,7 +483,7 @@ def _apply_row(family: Family, options: PatchOptions, model: nn.Module | None) -
         # Experts the fused op cannot run (an activation tigon does not fuse, expert parallel, ...)
         # run HF's forward: said in the report.
         for inst in _instances(model, experts_class) if experts_class is not None else ():
-            activation = family.experts_activation or experts_activation(inst)
+            activation = family.experts_activation or fused_activation(inst)
             why = fused_experts_blocker(inst, activation, own_gate=family.experts_activation is not None)
             note = ("swiglu", f"{experts_class.__name__}: {why}; HF's forward runs")
             if why is not None and note not in report.skipped:
