@@ -28,15 +28,18 @@ from tigon.ops import moe_experts as M
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 bench_moe = __import__("bench_moe")  # benchmarks/bench_moe.py: the layers and their inputs
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages); expert_grad: (BLOCK_N, BLOCK_M2, rows a step, warps, stages).
+# (BLOCK_N, BLOCK_K, num_warps, num_stages); expert_grad: (BLOCK_N, BLOCK_M2, rows a step, warps,
+# stages); activation_backward:
+# the split pass's (BLOCK_R, BLOCK_N, warps), or () for the epilogue fused into down_backward (swept
+# first: down_backward's best tile depends on it).
 CANDIDATES = {
-    "gate_up": [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (128, 32, 8, 4), (64, 64, 8, 4)],
-    "down": [(256, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 4), (256, 32, 8, 4), (128, 128, 8, 3)],
-    "down_backward": [(64, 64, 8, 3), (128, 64, 8, 3), (64, 64, 4, 4), (64, 128, 8, 3), (128, 32, 8, 4),
-                      (128, 64, 8, 4), (64, 64, 4, 3)],
-    "expert_grad": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
-                    (128, 128, 32, 8, 4), (128, 64, 64, 4, 4), (128, 256, 64, 8, 4), (256, 128, 32, 8, 4),
-                    (128, 128, 64, 4, 4), (64, 128, 64, 4, 4)],
+    "activation_backward": [(), (32, 128, 4), (64, 128, 8), (16, 256, 4), (32, 256, 8)],
+    "gate_up": [(128, 64, 8, 3), (128, 32, 8, 4), (64, 64, 4, 4), (128, 64, 8, 4), (64, 64, 8, 4)],
+    "down_backward": [(64, 64, 8, 3), (128, 64, 8, 3), (64, 128, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3),
+                      (128, 128, 8, 3), (256, 32, 8, 4)],
+    "down": [(256, 64, 8, 3), (128, 64, 8, 4), (256, 32, 8, 4), (128, 128, 8, 3)],
+    "expert_grad": [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 32, 8, 4),
+                    (128, 256, 64, 8, 4), (128, 256, 32, 8, 4)],
 }
 
 
@@ -74,7 +77,7 @@ def grouped_mm_reference(layer, tokens):
             print(f"{layer} grouped_mm {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}", flush=True)
 
 
-def tune_layer(layer, tokens):
+def tune_layer(layer, tokens, kernels):
     _, x, index, weights, gate_up, down = bench_moe.make_layer(layer, tokens, "cuda")
     leaves = [x, weights, gate_up, down]
     cotangent = torch.randn_like(x)
@@ -100,8 +103,8 @@ def tune_layer(layer, tokens):
             ms = measure(table, f"block_m {bm}")
             if ms < best_ms:
                 best, best_ms = table, ms
-    for kernel, options in CANDIDATES.items():
-        for tile in options:
+    for kernel in kernels:
+        for tile in CANDIDATES[kernel]:
             if list(tile) == best[kernel]:
                 continue
             table = {**best, kernel: list(tile)}
@@ -118,12 +121,14 @@ def main():
     p.add_argument("--layers", nargs="*", choices=list(bench_moe.LAYERS), default=list(bench_moe.LAYERS))
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--reference", action="store_true", help="time torch's grouped_mm on the weight gradients first")
+    p.add_argument("--kernels", nargs="*", choices=list(CANDIDATES), default=list(CANDIDATES),
+                   help="the kernels to sweep, in this order")
     args = p.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
     for layer in args.layers:
         if args.reference:
             grouped_mm_reference(layer, args.tokens)
-        tune_layer(layer, args.tokens)
+        tune_layer(layer, args.tokens, args.kernels)
         torch.cuda.empty_cache()
 
 

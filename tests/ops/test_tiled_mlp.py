@@ -217,9 +217,10 @@ def test_tiled_mlp_over_a_closure_with_weights_that_are_not_leaves():
 def test_tiled_mlp_replays_dropout(preserve_rng_state):
     """out = dropout(x) * w: the gradient of x uses the forward's mask when the RNG state is
     replayed (the default); without it each shard's recomputation draws a new mask. With a
-    cotangent of ones, dx = mask * 2 * w exactly (no rounding to blur a mask's difference)."""
-    w = randn((HIDDEN,), torch.float32, shift=2.0, requires_grad=True)
-    x = randn((BATCH, TOKENS, HIDDEN), torch.float32, requires_grad=True)
+    cotangent of ones, dx = mask * 2 * w exactly (no rounding to blur a mask's difference). x and
+    w lie in [0.5, 1.5), never 0 (randn can draw an exact 0: a kept element would read as dropped)."""
+    w = (torch.rand(HIDDEN, device=DEVICE) + 0.5).requires_grad_()
+    x = (torch.rand(BATCH, TOKENS, HIDDEN, device=DEVICE) + 0.5).requires_grad_()
     out = TF.tiled_mlp(lambda h: F.dropout(h, 0.5, training=True) * w, x, 3, preserve_rng_state=preserve_rng_state)
     (dx,) = torch.autograd.grad(out, [x], torch.ones_like(out))
     kept = out.detach() != 0  # the forward's mask (x and w are nonzero)

@@ -27,9 +27,10 @@ How it runs, with no per-expert Python loop and no other host synchronisation:
   place, the sum over K is then a plain reduction (deterministic: no atomics).
 - backward: dout's rows are copied once into sorted order (then, for dW_gate_up, x's), so that
   the row-contracting kernels read contiguous ranges. ``moe_down_backward_kernel`` forms
-  dout[t] @ down[e] per sorted row and, in its
-  epilogue, h (recomputed from g, u), the routing-weight gradient's partial sums over its
-  columns, w * h (for dW_down) and dg, du through the activation's backward;
+  dy = dout[t] @ down[e] per sorted row and, in its epilogue or (with many rows an expert) in
+  ``moe_activation_backward_kernel`` over an fp32 dy, h (recomputed from g, u), the
+  routing-weight gradient's partial sums over its columns, w * h (for dW_down) and dg, du
+  through the activation's backward;
   ``moe_scatter_matmul_kernel`` again for dx = [dg | du] @ gate_up[e] (un-permuted, summed over
   K); ``moe_expert_grad_kernel`` for dW_gate_up[e] = [dg | du]^T x and dW_down[e] =
   dout^T (w h), a program per (expert, output tile) looping over the expert's rows (and the
@@ -82,36 +83,40 @@ GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0  # gpt-oss's swiglu_alpha / swiglu_lim
 # Rows per block (BLOCK_M) are shared by every kernel of a call (the routing table is cut in
 # blocks of that size): 128 when experts average >= 256 rows, else 64, so that the last, ragged
 # block of each expert wastes less. Tiles per kernel, (BLOCK_N, BLOCK_K, num_warps, num_stages);
-# the expert-gradient kernel's (BLOCK_N, BLOCK_M2, rows per step, warps, stages). Both sets were
-# found by benchmarks/tuning/tune_moe.py on the H100 (bf16, T 8192, forward + backward): "many
-# rows" on Mixtral-8x7B's layer (2048 rows an expert; 38.2 -> 33.7 ms over the previous
-# defaults), "few rows" on Qwen3-30B-A3B's (512 rows an expert; 7.00 ms with BLOCK_M 64 -> 6.12).
-# The activation backward's epilogue holds ~6 fp32 tiles: its tile stays narrow.
+# the expert-gradient kernel's (BLOCK_N, BLOCK_M2, rows per step, warps, stages). The activation's
+# backward either runs in down_backward's epilogue (~6 fp32 tiles live: a narrow tile, and the
+# GEMM runs at ~310 TFLOP/s on Mixtral's layer) or, split, as its own pass over an fp32 dy
+# (BLOCK_R, BLOCK_N, warps): 2 bytes more an element of [TK, I] each way, and a GEMM free to take
+# a wide tile. Both sets were found by benchmarks/tuning/tune_moe.py on the H100 (bf16, T 8192,
+# forward + backward, one call: benchmarks/results/h100/moe/tune_moe.log): "many rows" on
+# Mixtral-8x7B's layer (2048 rows an expert; split: 34.4 -> 31.6 ms), "few rows" on
+# Qwen3-30B-A3B's (512 rows an expert: fused, 6.3 -> 6.0 ms; split there is 0.1 ms slower).
 # TIGON_MOE_TILES (JSON, read at import) overrides them for a sweep:
 # {"block_m": 128, "gate_up": [128, 64, 8, 3], "down": [...], "down_backward": [...],
-#  "expert_grad": [128, 128, 64, 8, 3]}.
+#  "expert_grad": [128, 128, 64, 8, 3], "activation_backward": [16, 256, 4] or []}.
 class Tiles(NamedTuple):
     gate_up: tuple
     down: tuple
     down_backward: tuple
     expert_grad: tuple
+    activation_backward: tuple  # (BLOCK_R, BLOCK_N, warps) of the split pass; () fuses it into down_backward
 
 
 GPU_TILES = {  # least rows an expert (on average) -> tiles
-    1024: Tiles(gate_up=(128, 32, 8, 4), down=(256, 64, 8, 3), down_backward=(128, 64, 8, 4),
-                expert_grad=(128, 256, 64, 8, 4)),
-    0: Tiles(gate_up=(64, 64, 4, 4), down=(256, 64, 8, 3), down_backward=(64, 128, 8, 3),
-             expert_grad=(128, 256, 64, 8, 4)),
+    1024: Tiles(gate_up=(128, 64, 8, 3), down=(256, 64, 8, 3), down_backward=(256, 32, 8, 4),
+                expert_grad=(128, 256, 64, 8, 4), activation_backward=(16, 256, 4)),
+    0: Tiles(gate_up=(128, 64, 8, 3), down=(256, 64, 8, 3), down_backward=(128, 64, 8, 4),
+             expert_grad=(128, 256, 64, 8, 4), activation_backward=()),
 }
 # fp32 operands: twice the bytes a tile, and no tensor cores without tf32: smaller tiles that fit
 # shared memory (227 KiB) and registers.
 FP32_TILES = Tiles(gate_up=(64, 32, 4, 3), down=(64, 32, 4, 3), down_backward=(64, 32, 4, 3),
-                   expert_grad=(64, 64, 32, 4, 3))
+                   expert_grad=(64, 64, 32, 4, 3), activation_backward=())
 # The interpreter: small blocks of rows (tl.dot's smallest, 16), so that small test shapes reach
 # several blocks per expert and several row steps of the expert-gradient loop; 32 columns a tile
 # (each program costs ~50 ms there: sizes above 32 reach several column tiles).
 INTERPRETER_TILES = Tiles(gate_up=(32, 32, 1, 1), down=(32, 32, 1, 1), down_backward=(32, 32, 1, 1),
-                          expert_grad=(32, 32, 16, 1, 1))
+                          expert_grad=(32, 32, 16, 1, 1), activation_backward=(16, 32, 1))
 INTERPRETER_BLOCK_M = 16
 GROUP_M = 8  # row blocks per group of the grouped (L2-friendly) program order
 # Triton's interpreter multiplies 16-bit float operands of tl.dot as integers (numpy has no
@@ -150,8 +155,8 @@ def moe_block_m(n_pairs, n_experts) -> int:
 def moe_tiles(n_pairs, n_experts, dtype: torch.dtype) -> Tiles:
     """The kernels' tiles for n_pairs pairs over n_experts experts in ``dtype``."""
     if interpreter_enabled():
-        return INTERPRETER_TILES
-    if dtype == torch.float32:
+        tiles = INTERPRETER_TILES
+    elif dtype == torch.float32:
         tiles = FP32_TILES
     else:
         tiles = GPU_TILES[max(k for k in GPU_TILES if n_pairs >= k * n_experts)]
@@ -326,23 +331,26 @@ def moe_scatter_matmul_kernel(
 
 @triton.jit
 def moe_down_backward_kernel(
-    DOUT, stride_dt, stride_dh, W, stride_we, stride_wk, stride_wn, BIAS,
-    GU, DGU, HW, TOPW, DW_PART, ORDER, BLOCK_EXPERT, BLOCK_ROW, BLOCK_END,
+    DOUT, stride_dt, stride_dh, W, stride_we, stride_wk, stride_wn,
+    GU, DGU, HW, TOPW, DW_PART, DY, ORDER, BLOCK_EXPERT, BLOCK_ROW, BLOCK_END,
     n_blocks, n_experts, n_pairs, hidden, inter, alpha, limit,
-    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_DGU: tl.constexpr, STORE_HW: tl.constexpr,
-    STORE_DW: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    ACTIVATION: tl.constexpr, STORE_DGU: tl.constexpr, STORE_HW: tl.constexpr,
+    STORE_DW: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
 ):
     """For each sorted row r (pair p, weight w) of expert e and columns n of I: dy = DOUT[r] @ W[e]
     (DOUT: dout's rows in sorted order; W[e]'s H index at k * stride_wk, its I index at n *
-    stride_wn); h, dh/dg, dh/du recomputed from GU; DW_PART[pid_n, p] = sum_n dy h (+ DOUT[r] .
-    bias[e] in column tile 0); HW = w h; DGU = [w dy dh/dg | w dy dh/du]. The skipped pairs get zeros
-    in DW_PART (their other rows are never read)."""
+    stride_wn); h, dh/dg, dh/du recomputed from GU; DW_PART[pid_n, p] = sum_n dy h; HW = w h;
+    DGU = [w dy dh/dg | w dy dh/du]. The skipped pairs get zeros in DW_PART (their other rows are
+    never read). With SPLIT only dy goes to DY [TK, I] fp32 (sorted rows):
+    ``moe_activation_backward_kernel`` does the rest. (The down bias's share of the routing
+    weights' gradient, dout . bias[e], is no sum here: reducing DOUT's tile in the loop besides
+    the dot made triton 3.6 on the H100 return a wrong dy with 128 x 64 tiles.)"""
     alpha = tl.cast(alpha, tl.float32)
     limit = tl.cast(limit, tl.float32)
     pid_m, pid_n = _grouped_tile(tl.program_id(0), n_blocks, tl.cdiv(inter, BLOCK_N), GROUP)
     e, rows, row_mask, pairs = _block_rows(pid_m, ORDER, BLOCK_EXPERT, BLOCK_ROW, BLOCK_END, BLOCK_M)
-    if e > n_experts:
+    if e > n_experts or (SPLIT and e == n_experts):
         return
     if e == n_experts:
         if STORE_DW:
@@ -355,7 +363,6 @@ def moe_down_backward_kernel(
     a_ptrs = DOUT + rows[:, None] * stride_dt + ks[None, :] * stride_dh
     w_ptrs = W + e.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None] * stride_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    bias_dot = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         k_mask = ks < hidden - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
@@ -364,11 +371,22 @@ def moe_down_backward_kernel(
             acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision=DOT_PRECISION)
         else:
             acc = tl.dot(a.to(w.dtype), w, acc, input_precision=DOT_PRECISION)
-        if HAS_BIAS and STORE_DW:
-            b = tl.load(BIAS + e.to(tl.int64) * hidden + k0 + ks, mask=k_mask, other=0.0).to(tl.float32)
-            bias_dot += tl.sum(a.to(tl.float32) * b[None, :], axis=1)
         a_ptrs += BLOCK_K * stride_dh
         w_ptrs += BLOCK_K * stride_wk
+    mask = row_mask[:, None] & col_mask[None, :]
+    if SPLIT:
+        tl.store(DY + rows[:, None] * inter + cols[None, :], acc.to(DY.dtype.element_ty), mask=mask)
+    else:
+        _activation_backward(acc, rows, row_mask, pairs, cols, col_mask, pid_n, GU, DGU, HW, TOPW, DW_PART,
+                             n_pairs, inter, alpha, limit, ACTIVATION, STORE_DGU, STORE_HW, STORE_DW)
+
+
+@triton.jit
+def _activation_backward(dy, rows, row_mask, pairs, cols, col_mask, pid_n, GU, DGU, HW, TOPW, DW_PART,
+                         n_pairs, inter, alpha, limit, ACTIVATION: tl.constexpr, STORE_DGU: tl.constexpr,
+                         STORE_HW: tl.constexpr, STORE_DW: tl.constexpr):
+    """The down-projection backward's activation part for sorted rows x columns of I, from dy
+    (fp32): DW_PART, HW and DGU as ``moe_down_backward_kernel`` describes them."""
     mask = row_mask[:, None] & col_mask[None, :]
     gu_ptrs = GU + rows[:, None] * (2 * inter) + cols[None, :]
     g = tl.load(gu_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -377,17 +395,44 @@ def moe_down_backward_kernel(
     h = h.to(GU.dtype.element_ty).to(tl.float32)  # the forward's h, rounded as the down matmul read it
     w = tl.load(TOPW + pairs, mask=row_mask, other=0.0).to(tl.float32)
     if STORE_DW:
-        part = tl.sum(tl.where(mask, acc * h, 0.0), axis=1)
-        if HAS_BIAS:
-            part += tl.where(pid_n == 0, bias_dot, 0.0)
+        part = tl.sum(tl.where(mask, dy * h, 0.0), axis=1)
         tl.store(DW_PART + pid_n.to(tl.int64) * n_pairs + pairs, part, mask=row_mask)
     if STORE_HW:
         tl.store(HW + rows[:, None] * inter + cols[None, :], (h * w[:, None]).to(HW.dtype.element_ty), mask=mask)
     if STORE_DGU:
-        dh = acc * w[:, None]
+        dh = dy * w[:, None]
         dgu_ptrs = DGU + rows[:, None] * (2 * inter) + cols[None, :]
         tl.store(dgu_ptrs, (dh * dh_dg).to(DGU.dtype.element_ty), mask=mask)
         tl.store(dgu_ptrs + inter, (dh * dh_du).to(DGU.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def moe_activation_backward_kernel(
+    DY, GU, DGU, HW, TOPW, DW_PART, ORDER, BUCKET_START,
+    n_experts, n_pairs, inter, alpha, limit,
+    ACTIVATION: tl.constexpr, STORE_DGU: tl.constexpr, STORE_HW: tl.constexpr,
+    STORE_DW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The second half of a SPLIT ``moe_down_backward_kernel``, over [BLOCK_R sorted rows,
+    BLOCK_N columns of I] tiles: dy from DY (fp32); zeros in DW_PART for the skipped pairs' rows
+    (those past the routed ones), whose other rows are never read."""
+    alpha = tl.cast(alpha, tl.float32)
+    limit = tl.cast(limit, tl.float32)
+    pid_n = tl.program_id(1)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    n_routed = tl.load(BUCKET_START + n_experts)
+    in_table = rows < n_pairs
+    routed = rows < n_routed
+    pairs = tl.load(ORDER + rows, mask=in_table, other=0).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < inter
+    dy = tl.load(DY + rows[:, None] * inter + cols[None, :], mask=routed[:, None] & col_mask[None, :],
+                 other=0.0).to(tl.float32)
+    if STORE_DW:  # the skipped pairs' partial sums: zeros
+        tl.store(DW_PART + pid_n.to(tl.int64) * n_pairs + pairs, tl.zeros((BLOCK_R,), dtype=tl.float32),
+                 mask=in_table & ~routed)
+    _activation_backward(dy, rows, routed, pairs, cols, col_mask, pid_n, GU, DGU, HW, TOPW, DW_PART,
+                         n_pairs, inter, alpha, limit, ACTIVATION, STORE_DGU, STORE_HW, STORE_DW)
 
 
 @triton.jit
@@ -611,20 +656,38 @@ def moe_experts_backward(dout, x, top_k_weights, gu, routing, gate_up_proj, down
     hw = new_output((n_pairs, inter), x.dtype, x.device) if store_hw else None
     block_n, block_k, num_warps, num_stages = tiles.down_backward
     n_tiles_i = cdiv(inter, block_n)
+    split = bool(tiles.activation_backward)
+    if split:  # dy [TK, I] in fp32 (the routing weights' gradient sums dy h: no rounding before it)
+        block_r, block_n_act, num_warps_act = tiles.activation_backward
+        n_tiles_i = cdiv(inter, block_n_act)
+        dy = new_output((n_pairs, inter), torch.float32, x.device)
     dw_part = new_output((n_tiles_i, n_pairs), torch.float32, x.device) if need_w else None
     h_axis, i_axis = _down_axes(down_proj, transposed)
-    launch(moe_down_backward_kernel, (n_blocks * n_tiles_i,),
+    launch(moe_down_backward_kernel, (n_blocks * cdiv(inter, block_n),),
            dout_sorted, dout_sorted.stride(0), dout_sorted.stride(1), down_proj, down_proj.stride(0), h_axis, i_axis,
-           down_bias if down_bias is not None else x,
            gu, dgu if dgu is not None else gu, hw if hw is not None else gu, top_k_weights,
-           dw_part if dw_part is not None else gu, order, block_expert, block_row, block_end,
+           dw_part if dw_part is not None else gu, dy if split else gu, order, block_expert, block_row, block_end,
            n_blocks, n_experts, n_pairs, hidden, inter, alpha, limit,
-           ACTIVATION=MOE_ACTIVATIONS[activation], HAS_BIAS=down_bias is not None, STORE_DGU=store_dgu,
-           STORE_HW=store_hw, STORE_DW=need_w, DOT_PRECISION=precision, UPCAST=UPCAST_DOT,
+           ACTIVATION=MOE_ACTIVATIONS[activation], STORE_DGU=store_dgu,
+           STORE_HW=store_hw, STORE_DW=need_w, SPLIT=split, DOT_PRECISION=precision, UPCAST=UPCAST_DOT,
            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=GROUP_M, num_warps=num_warps,
            num_stages=num_stages)
+    if split:
+        launch(moe_activation_backward_kernel, (cdiv(n_pairs, block_r), n_tiles_i),
+               dy, gu, dgu if dgu is not None else gu, hw if hw is not None else gu, top_k_weights,
+               dw_part if dw_part is not None else gu, order, bucket_start, n_experts, n_pairs, inter, alpha, limit,
+               ACTIVATION=MOE_ACTIVATIONS[activation], STORE_DGU=store_dgu,
+               STORE_HW=store_hw, STORE_DW=need_w, BLOCK_R=block_r, BLOCK_N=block_n_act, num_warps=num_warps_act)
+        dy = None
     if need_w:  # partial sums over I's column tiles, in pair order: a fixed-order sum
-        dw = dw_part.sum(0).view(n_tokens, top_k).to(top_k_weights.dtype)
+        dw = dw_part.sum(0).view(n_tokens, top_k)
+        if down_bias is not None:  # + dout[t] . down_bias[e] (0 for the skipped pairs), from [T, E + 1]
+            rows = torch.arange(n_pairs, device=x.device, dtype=bucket_start.dtype)
+            pair_expert = torch.empty(n_pairs, device=x.device, dtype=torch.int64)
+            pair_expert[order.long()] = torch.searchsorted(bucket_start[1:], rows, right=True)
+            bias_dot = dout.float() @ torch.nn.functional.pad(down_bias.float(), (0, 0, 0, 1)).T
+            dw = dw + bias_dot.gather(1, pair_expert.view(n_tokens, top_k))
+        dw = dw.to(top_k_weights.dtype)
 
     block_n, block_m2, block_k, num_warps, num_stages = tiles.expert_grad
     if need_down or need_db:  # dW_down[e] = dout^T (w h) over the expert's rows; its bias: sums of w dout
