@@ -344,7 +344,7 @@ def moe_down_backward_kernel(
     DGU = [w dy dh/dg | w dy dh/du]. The skipped pairs get zeros in DW_PART (their other rows are
     never read). With SPLIT only dy goes to DY [TK, I] fp32 (sorted rows):
     ``moe_activation_backward_kernel`` does the rest. (The down bias's share of the routing
-    weights' gradient, dout . bias[e], is no sum here: reducing DOUT's tile in the loop besides
+    weights' gradient, dout . bias[e], is not summed here: reducing DOUT's tile in the loop beside
     the dot made triton 3.6 on the H100 return a wrong dy with 128 x 64 tiles.)"""
     alpha = tl.cast(alpha, tl.float32)
     limit = tl.cast(limit, tl.float32)
