@@ -29,9 +29,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 bench_moe = __import__("bench_moe")  # benchmarks/bench_moe.py: the layers and their inputs
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); expert_grad: (BLOCK_N, BLOCK_M2, rows a step, warps,
-# stages); activation_backward:
-# the split pass's (BLOCK_R, BLOCK_N, warps), or () for the epilogue fused into down_backward (swept
-# first: down_backward's best tile depends on it).
+# stages); activation_backward: the split pass's (BLOCK_R, BLOCK_N, warps), or () for the epilogue
+# fused into down_backward (swept first: down_backward's best tile depends on it).
 CANDIDATES = {
     "activation_backward": [(), (32, 128, 4), (64, 128, 8), (16, 256, 4), (32, 256, 8)],
     "gate_up": [(128, 64, 8, 3), (128, 32, 8, 4), (64, 64, 4, 4), (128, 64, 8, 4), (64, 64, 8, 4)],

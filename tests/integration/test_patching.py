@@ -76,8 +76,8 @@ EXTRA = {
                    "n_groups": 1, "chunk_size": 8, "n_routed_experts": 4, "moe_intermediate_size": 32,
                    "moe_shared_expert_intermediate_size": 32},
     # Layer 0 sparsifies its MLP's gate (activation_sparsity_pattern), as the first layers of Gemma 3n do.
-    "gemma3n_text": {"vocab_size_per_layer_input": SIZE["vocab_size"], "hidden_size_per_layer_input": 8, "num_kv_shared_layers": 0,
-                     "laurel_rank": 8, "altup_num_inputs": 2, "sliding_window": 8,
+    "gemma3n_text": {"vocab_size_per_layer_input": SIZE["vocab_size"], "hidden_size_per_layer_input": 8,
+                     "num_kv_shared_layers": 0, "laurel_rank": 8, "altup_num_inputs": 2, "sliding_window": 8,
                      "layer_types": SLIDING_FULL,
                      "activation_sparsity_pattern": [0.95] + [0.0] * (SIZE["num_hidden_layers"] - 1)},
     # Per-layer inputs; the full-attention layer's wider heads with proportional RoPE (a quarter rotated).
@@ -309,6 +309,7 @@ def test_patched_family_trains_like_hf_bf16(model_type):
         ours_err, hf_err = rel(our_grads[name], g), rel(hf_grads[name], g)
         if g.numel() >= SMALL_GRAD:
             assert ours_err <= max(2 * hf_err, 2 * floor), f"gradient of {name}: {ours_err:.2e} vs HF's {hf_err:.2e}"
+
     def flat(grads):
         return torch.cat([grads[name].flatten() for name in exact_grads])
 

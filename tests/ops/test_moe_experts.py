@@ -3,8 +3,8 @@ import torch
 
 from tests.helpers import DEVICE, check_op, pick, randn
 from tigon import functional as TF
-from tigon.ops.glu import TORCH_ACTIVATIONS
 from tigon.ops import moe_experts as moe_experts_module
+from tigon.ops.glu import TORCH_ACTIVATIONS
 from tigon.ops.moe_experts import moe_experts_backward_op, moe_experts_op
 
 # (tokens, hidden, intermediate, experts). On the CPU the interpreter's tiles are 16 rows by 32
