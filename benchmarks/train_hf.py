@@ -11,7 +11,7 @@ only its own rows. ``--timed-tokens`` sets the timed steps per batch (at least 3
 --out DIR`` joins sweeps of one shape run in separate calls (a device call's time limit) into one
 JSON, table and plot, without a GPU.
 
-bf16 weights (``--dtype``), AdamW (fused by default), gradient checkpointing, random init from
+bf16 weights (``--dtype``), AdamW (fused by default), gradient checkpointing (``--checkpointing``), random init from
 one seed, the same seeded batches for every implementation. Text shapes: random tokens (labels =
 inputs). Vision-language shapes (``qwen2.5-vl-3b``): each sequence is one ``--image-size`` image
 (patches, grid and placeholder tokens as the model's processor makes them, vision start/end
@@ -33,42 +33,7 @@ import time
 
 import torch
 
-SHAPES = {
-    # Llama-3.2-1B: hidden 2048, 16 layers, 32 heads, 8 kv heads, intermediate 8192, vocab 128256.
-    "llama-1b": ("llama", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                               intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
-                               max_position_embeddings=4096)),
-    "qwen2.5-0.5b": ("qwen2", dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                                   intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
-                                   max_position_embeddings=4096)),
-    # Gemma-2-2B: head_dim 256, final logit softcap 30, GeGLU (gelu tanh).
-    "gemma2-2b": ("gemma2", dict(hidden_size=2304, num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
-                                 head_dim=256, intermediate_size=9216, vocab_size=256000, tie_word_embeddings=True,
-                                 max_position_embeddings=4096)),
-    # Llama-3.1-8B.
-    "llama-8b": ("llama", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                               intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
-                               max_position_embeddings=4096)),
-    # Qwen2.5-VL-3B-Instruct: 3.75B parameters (text 3.09B with the tied embedding, vision tower 0.67B).
-    "qwen2.5-vl-3b": ("qwen2_5_vl", dict(
-        text_config=dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
-                         intermediate_size=11008, vocab_size=151936, rms_norm_eps=1e-6,
-                         max_position_embeddings=128000,
-                         rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[16, 24, 24])),
-        vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                           fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2),
-        tie_word_embeddings=True)),
-    # Qwen3-30B-A3B's layers (head_dim 128, 128 experts of 768, top-8), 6 of its 48: 4.36B parameters
-    # (3.74B in the layers, 0.62B in the untied embedding and head), so that HF's own path fits one
-    # 80 GB H100 at batch 4 x 1024 (bf16 weights, gradients and AdamW state: 35 GB). The router's aux
-    # loss as HF has it by default (output_router_logits False: not added).
-    "qwen3-moe": ("qwen3_moe", dict(hidden_size=2048, num_hidden_layers=6, num_attention_heads=32, num_key_value_heads=4,
-                                    head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
-                                    intermediate_size=6144, norm_topk_prob=True, vocab_size=151936,
-                                    tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=4096,
-                                    rope_parameters=dict(rope_type="default", rope_theta=1e6))),
-}
+from tigon.bench.shapes import SHAPES  # the model shapes, shared with `tigon plan`
 
 # --tiny (hidden): the same families at toy size, for a CPU smoke run under TRITON_INTERPRET=1
 # (special tokens inside the vocabulary; mrope_section: the 8 frequencies of head_dim 16).
@@ -152,19 +117,24 @@ def liger_skip_reason(model_type):
 
 
 def build_model(model_type, shape_kwargs, impl="hf", state=None, chunk_budget=None, compile_mode="default",
-                dtype=torch.bfloat16):
+                dtype=torch.bfloat16, checkpointing="all", memory_budget=None):
     """The model (new_model; weights from `state` when given), patched by `impl` ("hf":
     not at all, "tigon", "liger"; "+compile": then ``model.compile(mode=compile_mode)``), with
-    gradient checkpointing, in train mode: (model, report)."""
+    HF's gradient checkpointing on every decoder layer (``checkpointing`` "all"), on none
+    ("none"), or as tigon's memory planner picks within ``memory_budget`` ("auto": tigon only),
+    in train mode: (model, report)."""
     impl, _, compiled = impl.partition("+")
     import tigon
 
+    if checkpointing == "auto" and impl != "tigon":
+        raise RuntimeError("skipped: --checkpointing auto is tigon's (tigon.patch(checkpointing='auto'))")
     model = new_model(model_type, shape_kwargs, dtype)
     if state is not None:
         model.load_state_dict(state)
     report = None
     if impl == "tigon":
-        report = str(tigon.patch(model, chunk_budget=chunk_budget))
+        auto = dict(checkpointing="auto", memory_budget=memory_budget) if checkpointing == "auto" else {}
+        report = str(tigon.patch(model, chunk_budget=chunk_budget, **auto))
     elif impl == "liger":
         reason = liger_skip_reason(model_type)
         if reason:
@@ -173,7 +143,8 @@ def build_model(model_type, shape_kwargs, impl="hf", state=None, chunk_budget=No
 
         getattr(liger, LIGER_PATCHES[model_type])(model=model)
         report = f"liger-kernel: {LIGER_PATCHES[model_type]}(model=model) (its defaults)"
-    model.gradient_checkpointing_enable()
+    if checkpointing == "all":
+        model.gradient_checkpointing_enable()
     model.config.use_cache = False
     model.train()
     if compiled:
@@ -287,7 +258,7 @@ def run(impl, model_type, shape_kwargs, state, args, batch):
     else:
         model, report = build_model(model_type, shape_kwargs, impl, state,
                                     args.chunk_mib * 2**20 if args.chunk_mib else None, args.compile_mode,
-                                    DTYPES[args.dtype])
+                                    DTYPES[args.dtype], args.checkpointing, args.memory_budget)
         if impl.endswith("+compile"):
             _COMPILED_MODELS[impl] = model, report
     steps = args.steps if not args.timed_tokens else max(3, -(-args.timed_tokens // (batch * args.seq)))
@@ -422,6 +393,11 @@ def main():
     p.add_argument("--adamw", default="fused", choices=["fused", "foreach", "for-loop"],
                    help="torch AdamW implementation (foreach keeps temporaries the size of the weights)")
     p.add_argument("--chunk-mib", type=int, default=None, help="tigon's FLCE chunk budget (default 512 MiB)")
+    p.add_argument("--checkpointing", default="all", choices=["all", "none", "auto"],
+                   help="HF's gradient checkpointing on every decoder layer (default), on none, or as tigon's "
+                        "memory planner picks (tigon only)")
+    p.add_argument("--memory-budget", default=None, help="--checkpointing auto's budget, e.g. 70GiB (default: 92%% "
+                                                         "of the GPU)")
     p.add_argument("--out", default=None)
     p.add_argument("--merge", nargs="+", metavar="JSON", help="join these sweep JSONs (one shape) into --out")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="weights and activations")
@@ -589,7 +565,8 @@ def save(args, n_params, results, final=False, device=None):
     if args.batches and final:
         dtype = {"float32": "fp32"}.get(getattr(args, "dtype", None), "bf16")
         plot_sweep(results, os.path.join(args.out, f"{name}.png"),
-                   f"{args.shape} ({n_params / 1e9:.2f}B), seq {args.seq}, {dtype}, AdamW, gradient checkpointing, "
+                   f"{args.shape} ({n_params / 1e9:.2f}B), seq {args.seq}, {dtype}, AdamW, checkpointing "
+                   f"{getattr(args, 'checkpointing', 'all')}, "
                    f"{device}")
 
 

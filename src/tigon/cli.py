@@ -1,4 +1,4 @@
-"""The ``tigon`` command: ``tigon env``, ``tigon demo``, ``tigon bench``, ``tigon --version``.
+"""The ``tigon`` command: ``tigon env``, ``tigon demo``, ``tigon bench``, ``tigon plan``, ``tigon --version``.
 
 Without a CUDA GPU, tigon's Triton kernels can only run in Triton's interpreter, which Triton
 reads from TRITON_INTERPRET when it is first imported; the console script (``tigon_cli``) sets
@@ -74,12 +74,34 @@ def main(argv=None) -> int:
     bench.add_argument("--quick", action="store_true", help="one size per op")
     bench.add_argument("--out", default="tigon_bench", help="folder for ops.json, ops.csv, ops.md and the plots")
     bench.add_argument("--verbose", action="store_true", help="print every implementation's result as it comes")
+    bench.add_argument("--memory-timeline", action="store_true",
+                       help="instead of the ops: one training step's memory over time, HF vs tigon, with the "
+                            "planner's prediction (PNG)")
+    bench.add_argument("--model", default="llama-1b",
+                       help="--memory-timeline's model: a shape name, a config folder or a hub id (default llama-1b)")
+    bench.add_argument("--batch", type=int, default=8, help="--memory-timeline's batch size (default 8)")
+    bench.add_argument("--seq", type=int, default=1024, help="--memory-timeline's sequence length (default 1024)")
+    plan = sub.add_parser("plan", help="predict a training step's peak memory from a config; recommend batch size "
+                                       "and activation checkpointing for a GPU")
+    plan.add_argument("model", help="a hub id, a folder with config.json, a config.json, or a shape name "
+                                    "(llama-1b, qwen2.5-0.5b, gemma2-2b, llama-8b, ...)")
+    plan.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+    plan.add_argument("--batch", type=int, help="sequences per step (default: the recommended batch)")
+    plan.add_argument("--gpu-memory", help="the GPU's memory, e.g. 80GiB (default: this machine's GPU, else 80GiB)")
+    plan.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit", "sgd"])
+    plan.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights and activations")
+    plan.add_argument("--checkpointing", help="predict with this checkpointing: none, all, or a number of layers "
+                                              "(default: the recommended one)")
+    plan.add_argument("--no-tigon", action="store_true", help="plain HF only")
+    plan.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
     args = parser.parse_args(argv)
 
     if args.command == "env":
         print(env_report())
         return 0
-    if args.command == "bench":
+    if args.command == "plan":
+        return _plan(args, plan)
+    if args.command == "bench" and not args.memory_timeline:
         error = unknown_op_error(args.ops)
         if error:  # before the GPU check: a typo is reported on any machine
             bench.error(f"argument op: {error}")
@@ -96,11 +118,80 @@ def main(argv=None) -> int:
             print("tigon bench measures GPU kernels: torch sees no CUDA GPU here (`tigon demo` runs on the CPU).",
                   file=sys.stderr)
             return 2
+        if args.memory_timeline:
+            from tigon.bench.memory_timeline import run as run_timeline
+
+            run_timeline(args.model, args.batch, args.seq, args.out)
+            print(f"wrote {args.out}/memory_timeline.png and memory_timeline.json")
+            return 0
         from tigon.bench.ops import run
 
         run(args.ops or None, args.quick, args.out, args.verbose)
         return 0
     return 2
+
+
+def _plan(args, parser) -> int:
+    import json
+
+    import torch
+
+    from tigon.planner import default_gpu_memory, parse_bytes, plan
+
+    for name in ("seq", "batch"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"argument --{name}: must be a positive integer, got {value}")
+    checkpointing = args.checkpointing
+    if checkpointing is not None and checkpointing not in ("none", "all"):
+        if not checkpointing.isdigit():
+            parser.error(f"argument --checkpointing: 'none', 'all' or a number of layers, got {checkpointing!r}")
+        checkpointing = int(checkpointing)
+    if args.gpu_memory is not None:
+        try:
+            gpu_memory = parse_bytes(args.gpu_memory, "--gpu-memory")
+        except (TypeError, ValueError) as exc:
+            parser.error(f"argument --gpu-memory: {exc}")
+    else:
+        gpu_memory = default_gpu_memory() or parse_bytes("80GiB")
+    progress = _trace_progress()
+    result = plan(args.model, args.seq, batch=args.batch, gpu_memory=gpu_memory, optimizer=args.optimizer,
+                  tigon=not args.no_tigon, dtype=getattr(torch, args.dtype), checkpointing=checkpointing,
+                  progress=progress)
+    progress.close()
+    print(result.report())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result.to_dict(), f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _trace_progress():
+    """A callable counting traced steps on stderr (tqdm when installed), with close()."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        tqdm = None
+    if tqdm is None or not sys.stderr.isatty():
+        class _Silent:
+            def __call__(self):
+                pass
+
+            def close(self):
+                pass
+
+        return _Silent()
+    bar = tqdm(desc="tracing training steps on the meta device", unit="step", leave=False)
+
+    class _Bar:
+        def __call__(self):
+            bar.update(1)
+
+        def close(self):
+            bar.close()
+
+    return _Bar()
 
 
 if __name__ == "__main__":

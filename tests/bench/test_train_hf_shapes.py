@@ -87,7 +87,8 @@ def test_tiny_training_patched_matches_hf(shape, tmp_path, monkeypatch, capsys):
         kwargs = dict(kwargs, num_hidden_layers=1)
     args = argparse.Namespace(shape=shape, seq=16, steps=1, warmup=1, timed_tokens=None, lr=1e-3, adamw="for-loop",
                               chunk_mib=None, compile_mode="default", dtype="float32",
-                              image_size=train_hf.TINY_IMAGE_SIZE, batches=None, out=str(tmp_path))
+                              image_size=train_hf.TINY_IMAGE_SIZE, batches=None, out=str(tmp_path), checkpointing="all",
+                              memory_budget=None)
     state, n_params = train_hf.initial_state(model_type, kwargs, torch.float32)
     results = [train_hf.run_or_oom(impl, model_type, kwargs, state, args, 1) for impl in ("hf", "tigon")]
     hf, tigon = results

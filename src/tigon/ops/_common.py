@@ -44,6 +44,20 @@ def interpreter_enabled() -> bool:
 # imported) registers them as plain custom ops instead, for comparison.
 _TRITON_OPS = os.environ.get("TIGON_TRITON_OPS", "1") != "0"
 KERNEL_OPS: list[str] = []  # the names registered through kernel_op, in registration order
+# Every tigon op's Python body by qualified name ("tigon::rms_norm"): a memory-planning trace
+# (tigon.memory_trace) runs it on meta tensors, so that the buffers it allocates are counted
+# (launches on meta tensors do nothing), where the fake implementation would give outputs only.
+OP_BODIES: dict = {}
+
+
+def custom_op(name: str, *, mutates_args=()):
+    """Decorator: ``torch.library.custom_op(name)``, the body recorded in OP_BODIES."""
+
+    def decorator(fn):
+        OP_BODIES[name] = fn
+        return torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+
+    return decorator
 
 
 def kernel_op(name: str, *, mutates_args=()):
@@ -62,6 +76,7 @@ def kernel_op(name: str, *, mutates_args=()):
 
         # The schema is inferred from fn's signature, its annotations resolved where fn lives.
         body.__signature__ = inspect.signature(fn, eval_str=True)
+        OP_BODIES[name] = body
         return register(name, mutates_args=mutates_args)(body)
 
     return decorator
@@ -159,7 +174,7 @@ def check_tensor(name: str, t, *, ndim=None, min_ndim=None, floating=True) -> No
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
     if min_ndim is not None and t.ndim < min_ndim:
         raise ValueError(f"{name} must have at least {min_ndim} dimension(s), got shape {tuple(t.shape)}")
-    if t.device.type == "cuda":
+    if t.device.type in ("cuda", "meta"):  # meta: a memory-planning trace (fake implementations only)
         return
     if t.device.type == "cpu" and interpreter_enabled():
         from tigon.ops._internals import triton_imported_before_interpreter
@@ -238,11 +253,19 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return x2
 
 
+def autocast_off(device_type: str):
+    """``torch.autocast(device_type, enabled=False)``; nothing on meta (a memory-planning
+    trace), which autocast does not know."""
+    if device_type == "meta":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
+
+
 def matmul_dtype(x: torch.Tensor, **weights) -> torch.dtype:
     """The dtype an op's matmuls run in: autocast's when it is on, else x's, which each of
     ``weights`` must then share (as F.linear requires)."""
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
+    if device_type != "meta" and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     for name, w in weights.items():
         if w is not None and w.dtype != x.dtype:

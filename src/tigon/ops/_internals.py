@@ -48,8 +48,8 @@ def triton_imported_before_interpreter() -> bool:
     tigon's kernels are then interpreted but Triton's own library (tl.sigmoid, ...) is compiled
     code, and the first kernel fails deep inside the interpreter."""
     try:
-        from triton.runtime.interpreter import InterpretedFunction
         import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
 
         return not isinstance(tl.standard.sigmoid, InterpretedFunction)
     except Exception:  # Triton's layout moved: assume it is consistent
@@ -134,9 +134,12 @@ def launch(kernel, grid, *args, **options) -> None:
     constexprs and num_warps / num_stages by keyword. While torch.compile traces an op body (its
     tensors are functional / fake subclasses), the launch is recorded through
     ``torch.library.wrap_triton`` for Inductor to emit. The first argument (a tensor in every
-    tigon kernel) tells which: one type check a launch on the eager path."""
+    tigon kernel) tells which: one type check a launch on the eager path. On meta tensors (a
+    memory-planning trace: shapes only, the outputs already allocated) nothing is launched."""
     if type(args[0]) not in _PLAIN_TENSORS:
         torch.library.wrap_triton(kernel)[grid](*args, **options)
+        return
+    if args[0].is_meta:
         return
     if not _FAST_LAUNCH or _launch_hooks_set():
         kernel[grid](*args, **options)

@@ -43,6 +43,7 @@ from tigon.ops._common import (
     cdiv,
     check_same_device,
     check_tensor,
+    custom_op,
     fake_grad,
     new_output,
     next_pow2,
@@ -433,8 +434,8 @@ def check_target_and_class_weight(target, n_rows, n_classes, weight) -> None:
 def check_label_range(target, n_classes, ignore_index, defer=False) -> None:
     """Every label in [0, n_classes) or ignore_index: a host sync (see CHECK_LABELS above), or on
     CUDA with ``defer`` (the call was made inside ``deferred_label_checks()``) a queued check.
-    Real implementations only."""
-    if CHECK_LABELS and target.numel() and not capturing():
+    Real implementations only (not on meta: a memory-planning trace has no labels to read)."""
+    if CHECK_LABELS and target.numel() and not capturing() and not target.is_meta:
         bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
         if target.is_cuda and defer:
             _queue_label_check(bad, target, n_classes, ignore_index)
@@ -601,7 +602,7 @@ def _cross_entropy(logits2, target, opts: CrossEntropyOptions, grad):
     return op_loss_outputs(loss_rows, z_rows, predicted, norms, target, opts, logits2)
 
 
-@torch.library.custom_op("tigon::cross_entropy", mutates_args=())
+@custom_op("tigon::cross_entropy", mutates_args=())
 def cross_entropy_op(logits: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float,
                      class_weight: Optional[Tensor], lse_square_scale: float, softcap: Optional[float],
                      use_token_scaling: bool, return_z_loss: bool, return_token_accuracy: bool,
@@ -648,7 +649,7 @@ def _backward(ctx, grad_loss, *_grads_of_extras):
 cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-@torch.library.custom_op("tigon::cross_entropy_", mutates_args=("logits",))
+@custom_op("tigon::cross_entropy_", mutates_args=("logits",))
 def cross_entropy_inplace_op(logits: Tensor, target: Tensor, ignore_index: int, reduction: str,
                              label_smoothing: float, class_weight: Optional[Tensor], lse_square_scale: float,
                              softcap: Optional[float], use_token_scaling: bool, return_z_loss: bool,

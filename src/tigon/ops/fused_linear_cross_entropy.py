@@ -35,6 +35,7 @@ from tigon.ops._common import (
     check_same_device,
     check_tensor,
     chunk_budget_bytes,
+    custom_op,
     fake_grad,
     new_output,
     or_empty,
@@ -195,7 +196,7 @@ def _fake_gradient_outputs(x, weight, accum_dtype, need_dx, need_dw, need_db):
 # Schema: x, weight, target, bias, then CrossEntropyOptions' fields in order (as
 # tigon::cross_entropy's), chunk_budget (bytes), accum_dtype, and which gradients to form.
 
-@torch.library.custom_op("tigon::fused_linear_cross_entropy", mutates_args=())
+@custom_op("tigon::fused_linear_cross_entropy", mutates_args=())
 def fused_linear_cross_entropy_op(
     x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int, reduction: str,
     label_smoothing: float, class_weight: Optional[Tensor], lse_square_scale: float, softcap: Optional[float],
@@ -235,7 +236,7 @@ def _(x, weight, target, bias, *args):
                                     bias is not None and need_db and in_forward))
 
 
-@torch.library.custom_op("tigon::fused_linear_cross_entropy_backward", mutates_args=())
+@custom_op("tigon::fused_linear_cross_entropy_backward", mutates_args=())
 def fused_linear_cross_entropy_backward_op(
     grad_loss: Tensor, x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int,
     reduction: str, label_smoothing: float, class_weight: Optional[Tensor], lse_square_scale: float,

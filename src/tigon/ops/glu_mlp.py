@@ -45,9 +45,11 @@ from torch import Tensor, nn
 from tigon.ops._common import (
     accumulate_mm,
     as_rows,
+    autocast_off,
     capturing,
     check_same_device,
     check_tensor,
+    custom_op,
     fake_grad,
     matmul_dtype,
     new_output,
@@ -226,14 +228,14 @@ def check_slice_columns(slice_columns):
 # default slices of this file's policy.
 
 
-@torch.library.custom_op("tigon::glu_down", mutates_args=())
+@custom_op("tigon::glu_down", mutates_args=())
 def glu_down_op(a: Tensor, b: Tensor, down_weight: Tensor, down_bias: Optional[Tensor], activation: str,
                 gate_multiplier: float, down_multiplier: float, matmul_dtype: torch.dtype, inplace: bool,
                 slice_columns: int) -> Tensor:
     """((act(a g) * b) @ down_weight^T + down_bias) d, contiguous [..., H] in ``matmul_dtype``.
     ``inplace``: the backward writes da, db over a, b; ``slice_columns``: the backward's slices."""
     check_glu_down_args(a, b, down_weight, down_bias, activation)
-    with torch.autocast(a.device.type, enabled=False):
+    with autocast_off(a.device.type):
         out = glu_down_forward(as_rows(a), as_rows(b), down_weight, down_bias, activation,
                                (gate_multiplier, down_multiplier), matmul_dtype)
     return out.view(*a.shape[:-1], out.shape[-1])
@@ -246,13 +248,13 @@ def _(a, b, down_weight, down_bias, activation, gate_multiplier, down_multiplier
     return a.new_empty((*a.shape[:-1], down_weight.shape[0]), dtype=matmul_dtype)
 
 
-@torch.library.custom_op("tigon::glu_down_backward", mutates_args=())
+@custom_op("tigon::glu_down_backward", mutates_args=())
 def glu_down_backward_op(dout: Tensor, a: Tensor, b: Tensor, down_weight: Tensor, down_bias: Optional[Tensor],
                          activation: str, gate_multiplier: float, down_multiplier: float, matmul_dtype: torch.dtype,
                          slice_columns: int, need_ab: bool, need_weight: bool, need_bias: bool
                          ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(da, db like a, d_weight like down_weight, d_bias like down_bias), empty where not needed."""
-    with torch.autocast(a.device.type, enabled=False):
+    with autocast_off(a.device.type):
         grads = glu_down_backward(dout, a, b, down_weight, down_bias, activation, (gate_multiplier, down_multiplier),
                                   matmul_dtype, slice_columns, need_ab, need_weight, need_bias)
     return tuple(or_empty(g, a) for g in grads)
@@ -265,14 +267,14 @@ def _(dout, a, b, down_weight, down_bias, activation, gate_multiplier, down_mult
             fake_grad(down_bias, need_bias, a))
 
 
-@torch.library.custom_op("tigon::glu_down_backward_", mutates_args=("a", "b"))
+@custom_op("tigon::glu_down_backward_", mutates_args=("a", "b"))
 def glu_down_backward_inplace_op(dout: Tensor, a: Tensor, b: Tensor, down_weight: Tensor,
                                  down_bias: Optional[Tensor], activation: str, gate_multiplier: float,
                                  down_multiplier: float, matmul_dtype: torch.dtype, slice_columns: int,
                                  need_weight: bool, need_bias: bool) -> tuple[Tensor, Tensor]:
     """glu_down_backward with da and db written over a and b; returns (d_weight, d_bias), empty
     where not needed."""
-    with torch.autocast(a.device.type, enabled=False):
+    with autocast_off(a.device.type):
         _, _, d_weight, d_bias = glu_down_backward(dout, a, b, down_weight, down_bias, activation,
                                                    (gate_multiplier, down_multiplier), matmul_dtype, slice_columns,
                                                    True, need_weight, need_bias, inplace=True)
@@ -417,7 +419,7 @@ def glu_mlp_backward(dout, x, gate_weight, up_weight, down_weight, activation, m
     return dx, *grads
 
 
-@torch.library.custom_op("tigon::glu_mlp", mutates_args=())
+@custom_op("tigon::glu_mlp", mutates_args=())
 def glu_mlp_op(x: Tensor, gate_weight: Tensor, up_weight: Tensor, down_weight: Tensor, activation: str,
                gate_multiplier: float, down_multiplier: float, matmul_dtype: torch.dtype, slice_columns: int,
                compute_output: bool, last_in_checkpoint: bool) -> Tensor:
@@ -429,7 +431,7 @@ def glu_mlp_op(x: Tensor, gate_weight: Tensor, up_weight: Tensor, down_weight: T
     check_glu_mlp_args(x, gate_weight, up_weight, down_weight, activation)
     if not compute_output or (last_in_checkpoint and not capturing() and in_checkpoint_recomputation()):
         return x.new_empty((*x.shape[:-1], down_weight.shape[0]), dtype=matmul_dtype)
-    with torch.autocast(x.device.type, enabled=False):
+    with autocast_off(x.device.type):
         return glu_mlp_forward(x, gate_weight, up_weight, down_weight, activation, (gate_multiplier, down_multiplier),
                                matmul_dtype, slice_columns)
 
@@ -441,13 +443,13 @@ def _(x, gate_weight, up_weight, down_weight, activation, gate_multiplier, down_
     return x.new_empty((*x.shape[:-1], down_weight.shape[0]), dtype=matmul_dtype)
 
 
-@torch.library.custom_op("tigon::glu_mlp_backward", mutates_args=())
+@custom_op("tigon::glu_mlp_backward", mutates_args=())
 def glu_mlp_backward_op(dout: Tensor, x: Tensor, gate_weight: Tensor, up_weight: Tensor, down_weight: Tensor,
                         activation: str, gate_multiplier: float, down_multiplier: float, matmul_dtype: torch.dtype,
                         slice_columns: int, need_x: bool, need_gate_weight: bool, need_up_weight: bool,
                         need_down_weight: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, d_gate_weight, d_up_weight, d_down_weight), each like its input, empty where not needed."""
-    with torch.autocast(x.device.type, enabled=False):
+    with autocast_off(x.device.type):
         grads = glu_mlp_backward(dout, x, gate_weight, up_weight, down_weight, activation,
                                  (gate_multiplier, down_multiplier), matmul_dtype, slice_columns, need_x,
                                  need_gate_weight, need_up_weight, need_down_weight)

@@ -45,7 +45,17 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from tigon.ops._common import as_rows, check_same_device, check_tensor, fake_grad, new_output, next_pow2, or_empty, traced
+from tigon.ops._common import (
+    as_rows,
+    check_same_device,
+    check_tensor,
+    custom_op,
+    fake_grad,
+    new_output,
+    next_pow2,
+    or_empty,
+    traced,
+)
 from tigon.ops._internals import graph_retained, launch
 from tigon.ops.cross_entropy import scale_rows
 from tigon.ops.linear_token_logps import (
@@ -254,7 +264,7 @@ def check_linear_jsd_args(x, weight, bias, teacher_x, teacher_weight, teacher_bi
 # ---- custom op: torch.ops.tigon.linear_jsd ----
 
 
-@torch.library.custom_op("tigon::linear_jsd", mutates_args=())
+@custom_op("tigon::linear_jsd", mutates_args=())
 def linear_jsd_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], teacher_x: Tensor, teacher_weight: Tensor,
                   teacher_bias: Optional[Tensor], beta: float, temperature: float,
                   compute_grad: bool) -> tuple[Tensor, Tensor]:
@@ -333,7 +343,7 @@ def _rows_view(t):
 # ---- custom ops: torch.ops.tigon.jsd and its backward ----
 
 
-@torch.library.custom_op("tigon::jsd", mutates_args=())
+@custom_op("tigon::jsd", mutates_args=())
 def jsd_op(student: Tensor, teacher: Tensor, target: Optional[Tensor], beta: float, ignore_index: int,
            compute_grad: bool) -> tuple[Tensor, Tensor]:
     """(loss fp32 [], G) for student and teacher log-probabilities [..., V]: the mean over the
@@ -362,7 +372,7 @@ def _(student, teacher, target, beta, ignore_index, compute_grad):
             fake_grad(student, compute_grad, student))
 
 
-@torch.library.custom_op("tigon::jsd_backward", mutates_args=())
+@custom_op("tigon::jsd_backward", mutates_args=())
 def jsd_backward_op(grad: Tensor, grad_loss: Tensor) -> Tensor:
     """grad * grad_loss (a one-element tensor) in grad's dtype, into a new contiguous tensor;
     grad [..., V] (the saved gradient of tigon::jsd) is left as it is."""

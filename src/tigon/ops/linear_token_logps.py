@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from tigon.ops._common import accumulate_mm, check_same_device, check_tensor, new_output
+from tigon.ops._common import accumulate_mm, check_same_device, check_tensor, custom_op, new_output
 from tigon.ops.cross_entropy import (
     CrossEntropyOptions,
     check_cross_entropy_options,
@@ -191,7 +191,7 @@ def linear_head_rows_backward(ctx, row_grad, name):
 # ---- custom op: torch.ops.tigon.linear_token_logps ----
 
 
-@torch.library.custom_op("tigon::linear_token_logps", mutates_args=())
+@custom_op("tigon::linear_token_logps", mutates_args=())
 def linear_token_logps_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
                           compute_grad: bool) -> tuple[Tensor, Tensor]:
     """(logp fp32 [N], G [N, V] in x's dtype): G = d(-logp) / d logits, the saved gradient (not

@@ -58,6 +58,7 @@ from tigon.ops._common import (
     check_same_dtype,
     check_tensor,
     contiguous_or_none,
+    custom_op,
     fake_grad,
     interpreter_enabled,
     matmul_dtype,
@@ -814,7 +815,7 @@ def check_moe_args(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_
 
 # Plain custom ops, not kernel_op's triton_op: Inductor's pattern matcher fails an assertion on
 # this op's traced body (torch 2.11, H100), so torch.compile keeps it one opaque node.
-@torch.library.custom_op("tigon::moe_experts", mutates_args=())
+@custom_op("tigon::moe_experts", mutates_args=())
 def moe_experts_op(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor,
                    down_proj: Tensor, gate_up_bias: Tensor | None, down_bias: Tensor | None, activation: str,
                    layout: str, transposed: bool, alpha: float, limit: float,
@@ -844,7 +845,7 @@ def _(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_u
             top_k_index.new_empty(routing_size(n_pairs, n_experts, block_m), dtype=torch.int32))
 
 
-@torch.library.custom_op("tigon::moe_experts_backward", mutates_args=())
+@custom_op("tigon::moe_experts_backward", mutates_args=())
 def moe_experts_backward_op(grad_out: Tensor, hidden_states: Tensor, top_k_weights: Tensor, gate_up: Tensor,
                             routing: Tensor, gate_up_proj: Tensor, down_proj: Tensor, gate_up_bias: Tensor | None,
                             down_bias: Tensor | None, activation: str, layout: str, transposed: bool, alpha: float,

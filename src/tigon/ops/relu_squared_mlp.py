@@ -25,8 +25,10 @@ from torch import Tensor
 
 from tigon.ops._common import (
     as_rows,
+    autocast_off,
     check_same_device,
     check_tensor,
+    custom_op,
     fake_grad,
     matmul_dtype,
     new_output,
@@ -132,7 +134,7 @@ def relu_squared_mlp_backward(dout, x, pre, up_weight, down_weight, up_bias, dow
 # autocast off. ``slice_columns`` 0: the default slices of the backward.
 
 
-@torch.library.custom_op("tigon::relu_squared_mlp", mutates_args=())
+@custom_op("tigon::relu_squared_mlp", mutates_args=())
 def relu_squared_mlp_op(x: Tensor, up_weight: Tensor, down_weight: Tensor, up_bias: Tensor | None,
                         down_bias: Tensor | None, matmul_dtype: torch.dtype, slice_columns: int
                         ) -> tuple[Tensor, Tensor]:
@@ -140,7 +142,7 @@ def relu_squared_mlp_op(x: Tensor, up_weight: Tensor, down_weight: Tensor, up_bi
     contiguous in ``matmul_dtype``. a is the backward's buffer (the functional API does not
     return it): the eager backward writes da over it when the graph is freed after it."""
     check_relu_squared_mlp_args(x, up_weight, down_weight, up_bias, down_bias)
-    with torch.autocast(x.device.type, enabled=False):
+    with autocast_off(x.device.type):
         out, pre = relu_squared_mlp_forward(x, up_weight, down_weight, up_bias, down_bias, matmul_dtype)
     return out.view(*x.shape[:-1], out.shape[-1]), pre
 
@@ -152,7 +154,7 @@ def _(x, up_weight, down_weight, up_bias, down_bias, matmul_dtype, slice_columns
             x.new_empty((math.prod(x.shape[:-1]), up_weight.shape[0]), dtype=matmul_dtype))
 
 
-@torch.library.custom_op("tigon::relu_squared_mlp_backward", mutates_args=())
+@custom_op("tigon::relu_squared_mlp_backward", mutates_args=())
 def relu_squared_mlp_backward_op(dout: Tensor, x: Tensor, pre: Tensor, up_weight: Tensor, down_weight: Tensor,
                                  up_bias: Tensor | None, down_bias: Tensor | None, matmul_dtype: torch.dtype,
                                  slice_columns: int, need_x: bool, need_up_weight: bool, need_down_weight: bool,
@@ -161,7 +163,7 @@ def relu_squared_mlp_backward_op(dout: Tensor, x: Tensor, pre: Tensor, up_weight
     """(dx, d_up_weight, d_down_weight, d_up_bias, d_down_bias), each like its input, empty where
     not needed."""
     needs = (need_x, need_up_weight, need_down_weight, need_up_bias, need_down_bias)
-    with torch.autocast(x.device.type, enabled=False):
+    with autocast_off(x.device.type):
         grads = relu_squared_mlp_backward(dout, x, pre, up_weight, down_weight, up_bias, down_bias, matmul_dtype,
                                           slice_columns, needs)
     return tuple(or_empty(g, x) for g in grads)
@@ -176,7 +178,7 @@ def _(dout, x, pre, up_weight, down_weight, up_bias, down_bias, matmul_dtype, sl
     return _fake_grads(x, up_weight, down_weight, up_bias, down_bias, needs)
 
 
-@torch.library.custom_op("tigon::relu_squared_mlp_backward_", mutates_args=("pre",))
+@custom_op("tigon::relu_squared_mlp_backward_", mutates_args=("pre",))
 def relu_squared_mlp_backward_inplace_op(dout: Tensor, x: Tensor, pre: Tensor, up_weight: Tensor,
                                          down_weight: Tensor, up_bias: Tensor | None, down_bias: Tensor | None,
                                          matmul_dtype: torch.dtype, slice_columns: int, need_x: bool,
@@ -184,7 +186,7 @@ def relu_squared_mlp_backward_inplace_op(dout: Tensor, x: Tensor, pre: Tensor, u
                                          need_down_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """relu_squared_mlp_backward with da written over ``pre`` (contiguous [rows, I], read no more)."""
     needs = (need_x, need_up_weight, need_down_weight, need_up_bias, need_down_bias)
-    with torch.autocast(x.device.type, enabled=False):
+    with autocast_off(x.device.type):
         grads = relu_squared_mlp_backward(dout, x, pre, up_weight, down_weight, up_bias, down_bias, matmul_dtype,
                                           slice_columns, needs, inplace=True)
     return tuple(or_empty(g, x) for g in grads)

@@ -39,6 +39,7 @@ from tigon.ops._common import (
     capturing,
     check_same_device,
     check_tensor,
+    custom_op,
     fake_grad,
     kernel_op,
     new_output,
@@ -375,7 +376,7 @@ def _backward(ctx, grad_loss, _grad_z_loss, _grad_grad):
 vocab_parallel_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-@torch.library.custom_op("tigon::vocab_parallel_cross_entropy_", mutates_args=("logits",))
+@custom_op("tigon::vocab_parallel_cross_entropy_", mutates_args=("logits",))
 def vocab_parallel_cross_entropy_inplace_op(logits: Tensor, target: Tensor, stats: Tensor, world_size: int,
                                             vocab_start: int, ignore_index: int, reduction: str,
                                             label_smoothing: float, lse_square_scale: float,

@@ -34,6 +34,7 @@ from torch import nn
 
 from tigon.ops._common import chunk_budget_bytes
 from tigon.ops._internals import PRIVATE_APIS
+from tigon.patching.checkpointing import CheckpointingPolicy, check_checkpointing, make_checkpointing_forward
 from tigon.patching.families import BY_MODEL_TYPE, FAMILIES, Family
 from tigon.patching.forwards import (
     IGNORE_CAUSAL_MASK_PARAMS,
@@ -68,6 +69,9 @@ from tigon.patching.forwards import (
 log = logging.getLogger("tigon")
 
 
+_NOT_FLAGS = ("chunk_budget", "checkpointing", "memory_budget")
+
+
 @dataclass(frozen=True)
 class PatchOptions:
     """What a patch replaces. rope: HF's apply_rotary_pos_emb; rms_norm: every RMSNorm;
@@ -76,7 +80,12 @@ class PatchOptions:
     state, without the logits; cross_entropy: the loss with tigon's cross entropy over
     materialised logits (instead of FLCE); chunk_budget: bytes of logits an FLCE chunk may
     hold (None: 512 MiB); layer_norm: the LayerNorms a family row names (Nemotron's
-    LayerNorm1P)."""
+    LayerNorm1P); checkpointing: which decoder layers activation checkpointing recomputes
+    ('auto': as few as the memory planner finds fit ``memory_budget``, chosen at the first
+    training forward of each batch shape; 'none', 'all' or a number of layers; None: left to
+    HF), a built model only (tigon.patching.checkpointing); memory_budget: the bytes (or a
+    string such as '70GiB') a step's allocations may reach under 'auto' (None: 92% of the
+    GPU's memory)."""
 
     rope: bool = True
     rms_norm: bool = True
@@ -85,14 +94,24 @@ class PatchOptions:
     cross_entropy: bool = False
     chunk_budget: int | None = None
     layer_norm: bool = True
+    checkpointing: str | int | None = None
+    memory_budget: int | str | None = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name != "chunk_budget" and not isinstance(value, bool):
+            if f.name not in _NOT_FLAGS and not isinstance(value, bool):
                 raise TypeError(f"{f.name} must be True or False, got {value!r}")
         if self.chunk_budget is not None:
             chunk_budget_bytes(self.chunk_budget)
+        check_checkpointing(self.checkpointing)
+        if self.memory_budget is not None:
+            from tigon.planner import parse_bytes
+
+            parse_bytes(self.memory_budget, "memory_budget")
+            if self.checkpointing != "auto":
+                raise ValueError("memory_budget is for checkpointing='auto' (got checkpointing="
+                                 f"{self.checkpointing!r})")
         if self.fused_linear_cross_entropy and self.cross_entropy:
             raise ValueError("pass at most one of fused_linear_cross_entropy and cross_entropy "
                              "(cross_entropy=True needs fused_linear_cross_entropy=False)")
@@ -735,7 +754,24 @@ def patch(model: nn.Module, options: PatchOptions | None = None, **kwargs) -> Pa
         log.info("%s", report)
     if not report.replaced:
         warnings.warn(f"tigon.patch found nothing to patch in {type(model).__name__}:\n{report}", stacklevel=2)
+    _install_checkpointing(model, opts, report)
     return report
+
+
+def _install_checkpointing(model: nn.Module, opts: PatchOptions, report: PatchReport) -> None:
+    """The checkpointing option on a built model: its forward sets the decoder layers' flags first."""
+    if opts.checkpointing is None:
+        return
+    from tigon.planner import decoder_layers
+
+    if not decoder_layers(model):
+        raise ValueError(f"checkpointing={opts.checkpointing!r}: {type(model).__name__} has no decoder layers HF "
+                         "can checkpoint")
+    policy = CheckpointingPolicy(opts.checkpointing, opts.memory_budget, opts)
+    _set_instance(model, "forward", make_checkpointing_forward(model.forward, policy), report.undo)
+    what = {"auto": "auto (the fewest layers the memory planner finds fit, per batch shape)", "none": "none",
+            "all": "every decoder layer"}.get(opts.checkpointing, f"{opts.checkpointing} decoder layers")
+    report.replaced.append(("checkpointing", what, "1"))
 
 
 def family_patcher(name: str):
@@ -747,7 +783,13 @@ def family_patcher(name: str):
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(f"patch_{name}'s first argument is the model to patch (or None for the classes), got "
                             f"{type(model).__name__}; options are keyword-only")
-        return apply_family(family, patch_options(options, **kwargs), model)
+        opts = patch_options(options, **kwargs)
+        if model is None and opts.checkpointing is not None:
+            raise ValueError(f"checkpointing={opts.checkpointing!r} needs a built model: patch_{name}(model, ...)")
+        report = apply_family(family, opts, model)
+        if model is not None:
+            _install_checkpointing(model, opts, report)
+        return report
 
     patch_family.__name__ = patch_family.__qualname__ = f"patch_{name}"
     patch_family.__doc__ = (
