@@ -192,8 +192,22 @@ def test_parse_bytes_rejects_naming_the_argument(bad):
         parse_bytes(bad, "gpu_memory")
 
 
+def test_moe_experts_are_planned_on_tigons_op():
+    """tigon's fused experts run in the planning trace (they leave meta weights to HF's
+    forward outside it): the prediction differs from tigon without its experts patch."""
+    from tigon.patching import PatchOptions
+
+    cfg = config("qwen3_moe")
+    fused = predict_step(cfg, 4, 64, tigon=True)
+    unfused = predict_step(cfg, 4, 64, tigon=True, patch_options=PatchOptions(swiglu=False))
+    assert fused.peak != unfused.peak
+
+
 def test_predict_step_rejects_bad_arguments():
     cfg = config("qwen2")
+    vision = transformers.AutoConfig.for_model("qwen2_5_vl")
+    with pytest.raises(ValueError, match="causal language models"):
+        predict_step(vision, 1, 64)
     with pytest.raises(ValueError, match="batch"):
         predict_step(cfg, 0, 64)
     with pytest.raises(ValueError, match="optimizer"):

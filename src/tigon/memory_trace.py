@@ -14,6 +14,7 @@ implementations give the output shapes); ``tigon.planner`` adds their internal w
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from array import array
 from dataclasses import dataclass, field
@@ -161,6 +162,27 @@ def planning_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
         if attn_mask.dtype == torch.bool:
             mask = torch.empty(attn_mask.shape, dtype=query.dtype, device=query.device)
     return _PlanningAttention.apply(query, key, value, mask)
+
+
+_PLANNING = threading.local()
+
+
+def planning() -> bool:
+    """True inside ``planning_step()`` (this thread): code that refuses meta tensors in normal
+    use (tigon's MoE experts leave meta weights to HF's forward) takes them there."""
+    return getattr(_PLANNING, "on", False)
+
+
+@contextlib.contextmanager
+def planning_step():
+    """A planning trace's block: planning() is True and SDPA is planning_attention."""
+    before = planning()
+    _PLANNING.on = True
+    try:
+        with planning_attention_installed():
+            yield
+    finally:
+        _PLANNING.on = before
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tigon.memory_trace import Allocation, AllocationTracker, MemoryTrace, planning_attention_installed
+from tigon.memory_trace import Allocation, AllocationTracker, MemoryTrace, planning_step
 
 GiB = 2**30
 # Optimizer state in units of the parameters' bytes (the state tensors share the parameters' dtype):
@@ -90,11 +90,17 @@ def meta_model(config, dtype: torch.dtype = torch.bfloat16):
     """The causal LM of ``config`` on the meta device (no memory, no init), in train mode, with
     SDPA attention (eager where this transformers has no SDPA path for the family)."""
     from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"the planner predicts causal language models (AutoModelForCausalLM); model_type "
+                         f"{config.model_type!r} is not one (vision-language models are not planned yet)")
     with torch.device("meta"):
         try:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-        except ValueError:  # this transformers has no SDPA path for the family (Gemma 2 in some)
+        except ValueError as exc:  # this transformers has no SDPA path for the family (Gemma 2 in some)
+            if "attention" not in str(exc):
+                raise
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
     model.config.use_cache = False
     return model.train()
@@ -333,7 +339,7 @@ class StepTracer:
         hooks = [h for layer in self.layers for h in (layer.register_forward_pre_hook(before, with_kwargs=True),
                                                       layer.register_forward_hook(after, with_kwargs=True))]
         try:
-            with planning_attention_installed(), _unpacked_sequences(), tracker:
+            with planning_step(), _unpacked_sequences(), tracker:
                 tracker.set_phase("optimizer")  # its state, live through the step (set up on the first)
                 state = _optimizer_state_tensors(params, self.optimizer)
                 state_bytes = tracker.current - static

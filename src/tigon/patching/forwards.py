@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tigon import functional as TF
+from tigon.memory_trace import planning
 from tigon.ops import TiedGradSlot
 from tigon.ops._common import ThreadFlag, thread_flag
 from tigon.ops.cross_entropy import deferred_label_checks
@@ -240,7 +241,7 @@ def hf_default_gate(cls: type) -> bool:
 def _plain_weight(module: nn.Module, name: str, ndim: int) -> bool:
     p = getattr(module, name, None)
     return (type(p) in _PLAIN_TENSORS and p.ndim == ndim and p.dtype in _MOE_DTYPES
-            and p.device.type != "meta")
+            and (p.device.type != "meta" or planning()))
 
 
 def experts_has_bias(module: nn.Module) -> bool:
