@@ -92,8 +92,13 @@ def main():
             for seq in args.seqs:
                 for batch in sorted({max(1, tokens // seq) for tokens in args.tokens}):
                     t0 = time.perf_counter()
-                    predicted = predict_step(config, batch, seq, tigon=impl == "tigon", checkpointing=n_ckpt,
-                                             optimizer=args.optimizer)
+                    try:
+                        predicted = predict_step(config, batch, seq, tigon=impl == "tigon", checkpointing=n_ckpt,
+                                                 optimizer=args.optimizer)
+                    except Exception as exc:  # a model the meta trace cannot run: said, and the sweep goes on
+                        print(f"{shape:13s} {impl:6s} T {seq:5d} B {batch:4d}: no prediction "
+                              f"({type(exc).__name__}: {str(exc)[:200]})", flush=True)
+                        continue
                     plan_s = time.perf_counter() - t0
                     measured, oom = measure(model, batch, seq, args.optimizer, n_ckpt)
                     error = None if measured is None else 100 * (predicted.peak - measured) / measured
