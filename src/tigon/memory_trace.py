@@ -136,7 +136,9 @@ class _PlanningAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask):
         b, h, t, _ = q.shape
-        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        # The kernels write the output [B, T, H, D] and hand it back transposed: HF's
+        # transpose(1, 2).contiguous() after attention is then no copy.
+        out = q.new_empty(b, t, h, v.shape[-1]).transpose(1, 2)
         lse = q.new_empty(b, h, t, dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out, lse, mask)
         return out
