@@ -51,11 +51,9 @@ class MemoryTrace:
 
     peak: int = 0
     peak_phase: str = ""
-    peak_module: str = ""
     timeline: array = field(default_factory=lambda: array("q"))
     phases: list = field(default_factory=list)  # (index into timeline where a phase starts, phase)
     largest: Allocation | None = None
-    marks: dict = field(default_factory=dict)  # name -> live bytes when mark() was called
 
     def from_phase(self, phase: str) -> array:
         """The timeline from the first event of ``phase`` on (the step without its setup)."""
@@ -74,15 +72,11 @@ class AllocationTracker(TorchDispatchMode):
         self.current = 0
         self.trace = MemoryTrace()
         self.phase = ""
-        self.module = ""
         self.keep_timeline = keep_timeline
 
     def set_phase(self, phase: str) -> None:
         self.phase = phase
         self.trace.phases.append((len(self.trace.timeline), phase))
-
-    def mark(self, name: str) -> None:
-        self.trace.marks[name] = self.current
 
     def track(self, t: torch.Tensor, op: str = "") -> None:
         storage = t.untyped_storage()
@@ -97,11 +91,6 @@ class AllocationTracker(TorchDispatchMode):
             self.trace.largest = Allocation(nbytes, op, tuple(t.shape), t.dtype, self.phase)
         weakref.finalize(storage, self._free, key)
 
-    def transient(self, nbytes: int) -> None:
-        """A workspace an op allocates and frees within one call (not visible on meta)."""
-        self._moved(nbytes)
-        self._moved(-nbytes)
-
     def _free(self, key: int) -> None:
         nbytes = self.live.pop(key, 0)
         if nbytes:
@@ -114,7 +103,6 @@ class AllocationTracker(TorchDispatchMode):
         if self.current > self.trace.peak:
             self.trace.peak = self.current
             self.trace.peak_phase = self.phase
-            self.trace.peak_module = self.module
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         body = OP_BODIES.get(func.name()) if func.namespace == "tigon" else None

@@ -28,9 +28,10 @@ from torch import nn
 from tigon.memory_trace import Allocation, AllocationTracker, MemoryTrace, planning_step
 
 GiB = 2**30
-# Optimizer state in units of the parameters' bytes (the state tensors share the parameters' dtype):
-# AdamW keeps exp_avg and exp_avg_sq; 8-bit AdamW keeps both as one byte a value; plain SGD none.
-OPTIMIZER_STATE = {"adamw": 2.0, "adamw8bit": None, "sgd": 0.0}
+# The optimizers whose state a prediction allocates (_optimizer_state_tensors): AdamW keeps
+# exp_avg and exp_avg_sq in the parameters' dtype; 8-bit AdamW both as one byte a value (fp32
+# scales a 256-value block); plain SGD none.
+OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
 # Of the budget, what allocations may take: the rest is the CUDA context, cuBLAS's and NCCL's
 # workspaces outside the allocator, and room for the caching allocator's fragmentation.
 USABLE_FRACTION = 0.92
@@ -253,8 +254,6 @@ class StepMemory:
 
 
 def _optimizer_state_tensors(params, optimizer: str):
-    if optimizer not in OPTIMIZER_STATE:
-        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATE)}, got {optimizer!r}")
     state = []
     for p in params:
         if optimizer == "adamw":
@@ -302,8 +301,8 @@ class StepTracer:
 
     def __init__(self, model_or_config, *, tigon: bool = True, optimizer: str = "adamw",
                  dtype: torch.dtype = torch.bfloat16, patch_options=None, progress=None):
-        if optimizer not in OPTIMIZER_STATE:
-            raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATE)}, got {optimizer!r}")
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got {optimizer!r}")
         self.config = load_config(model_or_config)
         self.model = meta_model(self.config, dtype)
         if tigon:
@@ -375,7 +374,7 @@ def predict_step(model_or_config, batch: int, seq: int, *, tigon: bool = True, c
     """Predict one training step's memory (a StepMemory) for ``batch`` sequences of ``seq``
     tokens: the config's causal LM in ``dtype``, patched by tigon when ``tigon``,
     ``checkpointing`` 'none' / 'all' / a number of decoder layers (spread evenly), ``optimizer``
-    one of OPTIMIZER_STATE."""
+    one of OPTIMIZERS."""
     tracer = StepTracer(model_or_config, tigon=tigon, optimizer=optimizer, dtype=dtype, patch_options=patch_options)
     return tracer.trace(batch, seq, checkpointing, keep_timeline)
 

@@ -45,6 +45,7 @@ class CheckpointingPolicy:
         self.budget = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
         self.patch_options = patch_options
         self.chosen: dict[tuple[int, int], int] = {}
+        self.layers = None  # the model's decoder layers, found at the first training forward
 
     def layers_for(self, model, batch: int, seq: int, n_layers: int) -> int:
         if self.setting == "none":
@@ -99,7 +100,9 @@ def _apply(policy: CheckpointingPolicy, model, args, kwargs) -> None:
     shape = _input_shape(args, kwargs)
     if shape is None or len(shape) < 2:
         return
-    layers = decoder_layers(model)
+    if policy.layers is None:  # once: walking every module each forward would cost host time a step
+        policy.layers = decoder_layers(model)
+    layers = policy.layers
     n = policy.layers_for(model, shape[0], shape[1], len(layers))
     wanted = set(checkpointed_indices(len(layers), n))
     if any(bool(layer.gradient_checkpointing) != (i in wanted) for i, layer in enumerate(layers)):
