@@ -11,6 +11,13 @@ only its own rows. ``--timed-tokens`` sets the timed steps per batch (at least 3
 --out DIR`` joins sweeps of one shape run in separate calls (a device call's time limit) into one
 JSON, table and plot, without a GPU.
 
+Several GPUs: ``torchrun --nproc-per-node N benchmarks/train_hf.py --parallel fsdp2 ...`` (or
+``ddp``) trains data-parallel: ``--batch`` sequences per GPU, each rank's rows of one global batch
+of N x ``--batch`` (the batches a single GPU at ``--batch`` N x b sees, so the losses compare with
+a one-GPU run); FSDP2 shards each decoder layer and the root (``fully_shard``). tokens/s is per
+GPU, the peak is the largest over the GPUs, a step's loss the mean over the ranks; rank 0 prints
+and writes the JSON.
+
 bf16 weights (``--dtype``), AdamW (fused by default), gradient checkpointing (``--checkpointing``), random init from
 one seed, the same seeded batches for every implementation. Text shapes: random tokens (labels =
 inputs). Vision-language shapes (``qwen2.5-vl-3b``): each sequence is one ``--image-size`` image
@@ -47,6 +54,8 @@ TINY_SHAPES = {
                            fullatt_block_indexes=[1]),
         image_token_id=500, video_token_id=501, vision_start_token_id=502, vision_end_token_id=503,
         tie_word_embeddings=True)),
+    "llama-8b": ("llama", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               intermediate_size=160, vocab_size=512)),
     "qwen3-moe": ("qwen3_moe", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                     head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                     intermediate_size=128, norm_topk_prob=True, vocab_size=512)),
@@ -62,6 +71,7 @@ LIGER_PATCHES = {"llama": "apply_liger_kernel_to_llama", "qwen2": "apply_liger_k
                  "qwen3_moe": "apply_liger_kernel_to_qwen3_moe"}
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PARALLEL = ("none", "ddp", "fsdp2")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -219,6 +229,49 @@ def training_step(impl, model_type, shape_kwargs, batch, seq, seed=0):
     return model, step
 
 
+def init_distributed():
+    """Under torchrun (WORLD_SIZE > 1): the default process group (NCCL on the GPU, gloo on the
+    CPU) and this rank's GPU; nothing otherwise."""
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        if DEVICE == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
+
+
+def rank_and_world():
+    import torch.distributed as dist
+
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def data_parallel(model, parallel):
+    """The module to train: ``model`` under DDP, or ``model`` itself sharded in place by FSDP2
+    (``fully_shard`` on each decoder layer, then the root: embeddings, final norm and head)."""
+    if parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if DEVICE == "cuda" else None)
+    from torch.distributed.fsdp import fully_shard
+
+    from tigon.planner import decoder_layers
+
+    for layer in decoder_layers(model):
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def all_reduced(t, op):
+    """t reduced over the ranks ("avg" or "max"), on the CPU."""
+    import torch.distributed as dist
+
+    _, world = rank_and_world()
+    t = t.to(DEVICE)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return (t / world if op == "avg" else t).cpu()
+
+
 def _sync():
     if DEVICE == "cuda":
         torch.cuda.synchronize()
@@ -252,6 +305,8 @@ _COMPILED_MODELS: dict = {}
 def run(impl, model_type, shape_kwargs, state, args, batch):
     import tigon
 
+    parallel = getattr(args, "parallel", "none")  # scripts building their own args may leave it out
+
     if impl in _COMPILED_MODELS:
         model, report = _COMPILED_MODELS[impl]
         model.load_state_dict(state)
@@ -259,13 +314,17 @@ def run(impl, model_type, shape_kwargs, state, args, batch):
         model, report = build_model(model_type, shape_kwargs, impl, state,
                                     args.chunk_mib * 2**20 if args.chunk_mib else None, args.compile_mode,
                                     DTYPES[args.dtype], args.checkpointing, args.memory_budget)
-        if impl.endswith("+compile"):
+        if impl.endswith("+compile") and parallel == "none":  # a sharded model cannot reload the state
             _COMPILED_MODELS[impl] = model, report
+    rank, world = rank_and_world()
+    trained = data_parallel(model, parallel) if parallel != "none" else model
     steps = args.steps if not args.timed_tokens else max(3, -(-args.timed_tokens // (batch * args.seq)))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=args.adamw == "fused",
                             foreach=args.adamw == "foreach")
     gen = torch.Generator(device=DEVICE).manual_seed(0)  # the same batches for every implementation
-    batches = make_batches(model, args.warmup + steps, batch, args.seq, gen, args.image_size)
+    batches = make_batches(model, args.warmup + steps, batch * world, args.seq, gen, args.image_size)
+    if world > 1:  # this rank's rows of each global batch
+        batches = [{k: v[rank * batch:(rank + 1) * batch] for k, v in b.items()} for b in batches]
     if impl.endswith("+compile"):  # one compilation for every batch size
         for inputs in batches:
             for x in inputs.values():
@@ -283,7 +342,7 @@ def run(impl, model_type, shape_kwargs, state, args, batch):
             start = time.perf_counter()
         if not timed:  # peaks from the warm-up steps (reading them syncs)
             _reset_peak()
-        loss = model(**inputs).loss
+        loss = trained(**inputs).loss
         loss.backward()
         if not timed:
             peak_fb = max(peak_fb, _peak_bytes())
@@ -295,6 +354,10 @@ def run(impl, model_type, shape_kwargs, state, args, batch):
         losses.append(loss.detach())
     _sync()
     seconds = time.perf_counter() - start
+    if world > 1:  # the mean loss over the ranks, the slowest rank's time, the largest peak
+        losses = list(all_reduced(torch.stack(losses).float(), "avg"))
+        seconds, peak_fb, peak_opt = all_reduced(torch.tensor([seconds, peak_fb, peak_opt], dtype=torch.float64), "max")
+        seconds, peak_fb, peak_opt = float(seconds), int(peak_fb), int(peak_opt)
     if impl.endswith("+compile"):  # what torch.compile made of the model (graph breaks: 0 is one graph)
         from torch._dynamo.utils import counters
 
@@ -302,11 +365,12 @@ def run(impl, model_type, shape_kwargs, state, args, batch):
                         graph_break_reasons=sorted(counters["graph_break"])[:5])
     else:
         compiled = {}
-    result = dict(impl=impl, batch=batch, tokens_per_s=batch * args.seq * steps / seconds, step_s=seconds / steps,
+    result = dict(impl=impl, batch=batch, world=world, parallel=parallel,
+                  tokens_per_s=batch * args.seq * steps / seconds, step_s=seconds / steps,
                   steps=steps, first_step_s=first_step_s, **compiled,
                   peak_gib=max(peak_fb, peak_opt) / 2**30, peak_fwd_bwd_gib=peak_fb / 2**30,
                   peak_optimizer_gib=peak_opt / 2**30, losses=[float(x) for x in losses], report=report)
-    del model, opt, batches
+    del model, trained, opt, batches
     _empty_cache()
     if impl not in _COMPILED_MODELS:
         tigon.unpatch()
@@ -324,7 +388,8 @@ def run_or_oom(impl, model_type, shape_kwargs, state, args, batch):
     saved = dict(vars(modeling))
     try:
         result = run(impl, model_type, shape_kwargs, state, args, batch)
-        saved = dict(vars(modeling))  # a kept compiled model keeps its patches
+        if impl in _COMPILED_MODELS:  # a kept compiled model keeps its patches
+            saved = dict(vars(modeling))
         return result
     except torch.OutOfMemoryError:
         error = "out of memory"
@@ -404,6 +469,8 @@ def main():
     p.add_argument("--image-size", type=int, default=None,
                    help=f"vision-language shapes: the side of each sequence's image in pixels (default 448; "
                         f"{TINY_IMAGE_SIZE} with --tiny)")
+    p.add_argument("--parallel", default="none", choices=PARALLEL,
+                   help="under torchrun: data-parallel over the ranks, FSDP2 (fully_shard) or DDP")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # TINY_SHAPES: a CPU smoke run
     args = p.parse_args()
     if args.image_size is None:
@@ -414,16 +481,28 @@ def main():
         return merge_sweeps(args)
     if args.warmup < 2:
         p.error("--warmup must be at least 2 (the first step compiles and allocates)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if (world > 1) != (args.parallel != "none"):
+        p.error(f"--parallel {args.parallel} with {world} process(es): run --parallel ddp or fsdp2 under "
+                f"torchrun --nproc-per-node N (N > 1), and nothing else without it")
+    if world > 1 and args.isolate:
+        p.error("--isolate runs one process per implementation: not under torchrun")
     if args.isolate and "," in args.impls:
         return run_isolated(args)
     if "," in args.impls and "+compile" in args.impls:
         p.error("compiled implementations keep their patched model between batch sizes: run them with --isolate")
+    init_distributed()
+    if rank_and_world()[0] != 0:  # rank 0 reports
+        import sys
+
+        sys.stdout = open(os.devnull, "w")
     model_type, shape_kwargs = (TINY_SHAPES if args.tiny else SHAPES)[args.shape]
     state, n_params = initial_state(model_type, shape_kwargs, DTYPES[args.dtype])
     batches = args.batches or [args.batch]
     image = f", one {args.image_size}-pixel image per sequence" if model_type in VISION_LANGUAGE else ""
+    world = f", {args.parallel} over {world} GPUs (batch per GPU)" if world > 1 else ""
     print(f"{args.shape}{' (tiny)' if args.tiny else ''}: {n_params / 1e9:.2f}B parameters, batch {batches} x "
-          f"{args.seq}{image}, {args.dtype}, {_device_name()}", flush=True)
+          f"{args.seq}{image}, {args.dtype}, {_device_name()}{world}", flush=True)
     results, failed = [], set()
     for batch in batches:
         for impl in args.impls.split(","):
@@ -499,6 +578,7 @@ def merge_sweeps(args):
     args.shape = shapes.pop()
     args.seq = parts[0]["args"]["seq"]
     args.dtype = parts[0]["args"].get("dtype", "bfloat16")
+    args.parallel = parts[0]["args"].get("parallel", "none")
     args.batches = sorted({r["batch"] for part in parts for r in part["results"]})
     results = [r for part in parts for r in part["results"]]
     save(args, parts[0]["params"], results, final=True, device=parts[0]["device"])
@@ -554,11 +634,15 @@ def print_table(results):
 def save(args, n_params, results, final=False, device=None):
     """The JSON after every run (a cut-off sweep keeps what it measured), and the plot at the end.
     ``device``: the GPU's name when this process has not touched CUDA (--isolate's parent)."""
-    if not args.out:
+    rank, world = rank_and_world()
+    if not args.out or rank != 0:
         return
     device = device or _device_name()
     os.makedirs(args.out, exist_ok=True)
-    name = f"train_{args.shape}" + ("_batch_sweep" if args.batches else "")
+    parallel = getattr(args, "parallel", "none")
+    world = max([world] + [r.get("world", 1) for r in results])  # --merge: the runs' world
+    name = (f"train_{args.shape}" + (f"_{parallel}x{world}" if parallel != "none" else "")
+            + ("_batch_sweep" if args.batches else ""))
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(dict(shape=args.shape, params=n_params, args=vars(args), device=device,
                        torch=torch.__version__, first_losses=first_losses(results), results=results), f, indent=1)
@@ -567,7 +651,7 @@ def save(args, n_params, results, final=False, device=None):
         plot_sweep(results, os.path.join(args.out, f"{name}.png"),
                    f"{args.shape} ({n_params / 1e9:.2f}B), seq {args.seq}, {dtype}, AdamW, checkpointing "
                    f"{getattr(args, 'checkpointing', 'all')}, "
-                   f"{device}")
+                   f"{device}" + (f"; {parallel} over {world} GPUs, per GPU" if parallel != "none" else ""))
 
 
 if __name__ == "__main__":

@@ -198,3 +198,69 @@ def recording_backend():
         return gm.forward
 
     return ops, backend
+
+
+# ---- several ranks (torch.distributed) ----
+
+def run_on_ranks(cases_of, world: int = 2, timeout_s: int = 300) -> list[dict]:
+    """Each rank's {case name: "ok" or what failed}, from one job of ``world`` processes: gloo on
+    the CPU (forked: no second import of torch, Triton and tigon), NCCL on ``world`` GPUs
+    (spawned: CUDA cannot be forked once initialised; skipped with fewer GPUs). ``cases_of(rank,
+    device)``, a module-level function, gives the rank's cases as {name: zero-argument callable
+    returning "ok" or a description}; a case that raises is reported and the others still run.
+    Every rank must run the same cases in the same order (they make collectives)."""
+    import json
+    import socket
+    import tempfile
+
+    import pytest
+    import torch.multiprocessing as mp
+
+    if ON_GPU and torch.cuda.device_count() < world:
+        pytest.skip(f"{world} ranks on the GPU need {world} GPUs")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out_dir:
+        job = mp.start_processes(_rank_main, args=(port, out_dir, world, cases_of), nprocs=world, join=False,
+                                 start_method="spawn" if ON_GPU else "fork")
+        for _ in range(timeout_s):
+            if job.join(timeout=1):
+                break
+        else:
+            for process in job.processes:
+                process.kill()
+            pytest.fail(f"the {world} ranks did not finish within {timeout_s} s")
+        results = []
+        for rank in range(world):
+            with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
+                results.append(json.load(f))
+    return results
+
+
+def _rank_main(rank, port, out_dir, world, cases_of):
+    import json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from tigon.ops._common import set_poison_outputs
+
+    set_poison_outputs(True)
+    torch.set_num_threads(1)  # a forked child's first parallel region would hang in OpenMP
+    device = torch.device("cuda", rank) if ON_GPU else torch.device("cpu")
+    if ON_GPU:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if ON_GPU else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120))
+    results = {}
+    try:
+        for name, case in cases_of(rank, device).items():
+            try:
+                results[name] = case()
+            except Exception as e:  # reported, and the other cases still run
+                results[name] = f"{type(e).__name__}: {e}"
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()

@@ -13,7 +13,7 @@ from tigon.ops import (
     fused_linear_cross_entropy_op,
     rms_norm_op,
 )
-from tigon.ops._common import check_tensor_args
+from tigon.ops._common import check_tensor_args, is_dtensor
 from tigon.ops.cross_entropy import CrossEntropyOverLogits, checked_cross_entropy_options, rows_alias
 from tigon.ops.dyt import dyt_op
 from tigon.ops.embedding import check_padding_idx, tied_grad_slot
@@ -37,6 +37,9 @@ from tigon.ops.sparsemax import sparsemax_op
 from tigon.ops.tiled_mlp import tiled_mlp as _tiled_mlp
 from tigon.ops.tvd import tvd_op
 from tigon.ops.vocab_parallel_cross_entropy import check_vocab_start, process_group, sharded_cross_entropy
+from tigon.ops.vocab_parallel_linear_cross_entropy import (
+    vocab_parallel_linear_cross_entropy as _vocab_parallel_linear_cross_entropy,
+)
 
 
 def rms_norm(x, weight, eps=1e-6, offset=0.0, casting="llama", inplace=False) -> torch.Tensor:
@@ -290,6 +293,7 @@ def fused_linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-10
     tigon.ops.embedding): the two backward passes then fill one [V, H] gradient (eager mode;
     under torch.compile the slot is not used and each returns its own gradient).
     """
+    _refuse_dtensors(weight=weight, x=x, bias=bias)
     opts = checked_cross_entropy_options(ignore_index, reduction, label_smoothing, ce_weight, lse_square_scale,
                                          softcap, use_token_scaling, return_z_loss, return_token_accuracy,
                                          return_predicted_tokens)
@@ -299,6 +303,54 @@ def fused_linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-10
     args = (x, weight, target, bias, *opts, chunk_budget, accum_dtype, *need)
     with tied_grad_slot(tied_slot):
         return _loss_outputs(fused_linear_cross_entropy_op(*args), target, opts)
+
+
+def _refuse_dtensors(**named) -> None:
+    """fused_linear_cross_entropy's arguments are plain tensors: a DTensor would fail deep inside
+    ("got mixed torch.Tensor and DTensor"). Say what to do instead."""
+    for name, t in named.items():
+        if is_dtensor(t):
+            raise ValueError(
+                f"fused_linear_cross_entropy takes plain tensors, but {name} is a DTensor (placements "
+                f"{tuple(t.placements)}). A weight sharded by FSDP2 / ZeRO-3 must be used inside the head module's "
+                "forward, where it is gathered (tigon.patch does this); a vocabulary-sharded (tensor-parallel) head "
+                "should use tigon.functional.vocab_parallel_linear_cross_entropy")
+
+
+def vocab_parallel_linear_cross_entropy(x, weight, target, bias=None, *, group=None, vocab_start=None,
+                                        ignore_index=-100, reduction="mean", label_smoothing=0.0, lse_square_scale=0.0,
+                                        softcap=None, return_z_loss=False, chunk_budget=None):
+    """cross_entropy(x @ weight.T + bias, target) for an output head split over the vocabulary
+    across the ranks of a group (tensor parallel), without materialising the logits: each rank
+    forms one chunk of rows of its shard's logits at a time.
+
+    x [..., H] (bf16 or fp32) and target [...] (global ids): the same on every rank (either may be
+    a DTensor with Replicate placements). weight: this rank's shard [V_r, H], the vocabulary ids
+    [vocab_start, vocab_start + V_r), with ``group`` and ``vocab_start`` as in
+    ``vocab_parallel_cross_entropy`` (None: the default group; the start gathered); or a DTensor
+    [V, H] with placements (Shard(0),) over a 1-D DeviceMesh (torch's ColwiseParallel), whose
+    mesh gives the group and whose split the start (group and vocab_start then left None); its
+    gradient arrives as a DTensor placed as it is. bias [V_r] (a DTensor sharded as the weight)
+    or None. Every rank gets the whole loss (fp32, the same value), x's whole gradient and its
+    shard's. Options as ``vocab_parallel_cross_entropy``; ``chunk_budget`` as in
+    ``fused_linear_cross_entropy`` (bytes of one chunk's [rows, V_r] logits; chunks are sized
+    by the widest shard). One all-gather of row stats per chunk and an all-reduce of dx a call
+    (a plain weight on several ranks: first a gather of the shard widths, with a host sync).
+    Every rank must make the same call and its backward. With one rank and vocab_start 0 (or
+    None) this is ``fused_linear_cross_entropy``. Under torch.compile the call is a graph break
+    (it runs eagerly), except in that one-rank case. See tigon.ops.vocab_parallel_linear_cross_entropy.
+    """
+    opts = checked_cross_entropy_options(ignore_index, reduction, label_smoothing, None, lse_square_scale, softcap,
+                                         return_z_loss=return_z_loss)
+    chunk_budget, _ = checked_flce_options(chunk_budget, None)
+    check_vocab_start(vocab_start)
+    check_tensor_args(x=x, weight=weight, target=target, bias=bias)
+    if not vocab_start and not any(is_dtensor(t) for t in (x, weight, target, bias)) and process_group(group)[1] == 1:
+        return fused_linear_cross_entropy(x, weight, target, bias, ignore_index=ignore_index, reduction=reduction,
+                                          label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
+                                          softcap=softcap, return_z_loss=return_z_loss, chunk_budget=chunk_budget)
+    loss, z_loss = _vocab_parallel_linear_cross_entropy(x, weight, target, bias, group, vocab_start, opts, chunk_budget)
+    return _loss_outputs((loss, z_loss, None, None), target, opts)
 
 
 def embedding(ids, weight, padding_idx=None, tied_slot=None) -> torch.Tensor:

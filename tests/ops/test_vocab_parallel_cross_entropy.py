@@ -3,16 +3,11 @@ starts past id 0), and two ranks spawned once for the module (gloo on the CPU un
 interpreter, NCCL on two GPUs) comparing every rank's loss and shard gradient with a float64
 full-vocabulary reference."""
 
-import json
-import os
-import socket
-import tempfile
-from datetime import timedelta
 
 import pytest
 import torch
 
-from tests.helpers import DEVICE, DTYPES, ON_GPU, TOL, check_op, pick, randn, rel_err
+from tests.helpers import DEVICE, DTYPES, TOL, check_op, pick, randn, rel_err, run_on_ranks
 from tests.ops.test_cross_entropy import check_compiled, make_target, opcheck_all_succeed, ref_cross_entropy
 from tigon import functional as TF
 from tigon.nn import TigonVocabParallelCrossEntropyLoss
@@ -295,62 +290,15 @@ def dist_errors(rank, device):
     return "ok" if messages == ["ok", "ok"] else "; ".join(messages)
 
 
-def dist_worker(rank, port, out_dir):
-    import torch.distributed as dist
-
-    from tigon.ops._common import set_poison_outputs
-
-    set_poison_outputs(True)
-    torch.set_num_threads(1)  # a forked child's first parallel region would hang in OpenMP
-    device = torch.device("cuda", rank) if ON_GPU else torch.device("cpu")
-    if ON_GPU:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if ON_GPU else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=timedelta(seconds=120))
-    results = {}
-    try:
-        for name, spec in DIST_CASES.items():
-            try:
-                results[name] = dist_case(rank, spec, device)
-            except Exception as e:  # reported, and the other cases still run
-                results[name] = f"{type(e).__name__}: {e}"
-        try:
-            results["errors"] = dist_errors(rank, device)
-        except Exception as e:
-            results["errors"] = f"{type(e).__name__}: {e}"
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
+def dist_cases(rank, device):
+    return {**{name: lambda spec=spec: dist_case(rank, spec, device) for name, spec in DIST_CASES.items()},
+            "errors": lambda: dist_errors(rank, device)}
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    """Both ranks' results, {case: "ok" or what failed}, from one spawned job for the module."""
-    import torch.multiprocessing as mp
-
-    if ON_GPU and torch.cuda.device_count() < 2:
-        pytest.skip("two ranks on the GPU need two GPUs")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out_dir:
-        # CPU: forked, so the ranks need not import torch, Triton and tigon again (~20 s on 2
-        # busy cores); CUDA cannot be forked once initialised.
-        context = mp.start_processes(dist_worker, args=(port, out_dir), nprocs=2, join=False,
-                                     start_method="spawn" if ON_GPU else "fork")
-        for _ in range(300):
-            if context.join(timeout=1):
-                break
-        else:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the two ranks did not finish within 300 s")
-        results = []
-        for rank in range(2):
-            with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
-                results.append(json.load(f))
-    return results
+    """Both ranks' results, {case: "ok" or what failed}, from one job of two processes for the module."""
+    return run_on_ranks(dist_cases)
 
 
 @pytest.mark.parametrize("case", [*DIST_CASES, "errors"])

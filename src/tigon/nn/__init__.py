@@ -7,6 +7,7 @@ from tigon.nn.loss import (
     TigonKLDivLoss,
     TigonTVDLoss,
     TigonVocabParallelCrossEntropyLoss,
+    TigonVocabParallelLinearCrossEntropyLoss,
 )
 from tigon.nn.mlp import (
     TigonGeGLUMLP,
@@ -27,6 +28,7 @@ from tigon.nn.norms import (
 __all__ = [
     "TigonKLDivLoss", "TigonSoftmax", "TigonSparsemax", "TigonTVDLoss",
     "TigonCrossEntropyLoss", "TigonFusedLinearCrossEntropyLoss", "TigonVocabParallelCrossEntropyLoss",
+    "TigonVocabParallelLinearCrossEntropyLoss",
     "TigonFusedAddRMSNorm", "TigonGeGLUMLP", "TigonLayerNorm", "TigonRMSNorm", "TigonSwiGLUMLP",
     "TigonDyT", "TigonGroupNorm", "TigonPolyNorm",
     "TigonReLUSquaredMLP", "TigonTiledGeGLUMLP", "TigonTiledSwiGLUMLP"]

@@ -105,6 +105,36 @@ class TigonVocabParallelCrossEntropyLoss(nn.Module):
                 f"softcap={self.softcap}, inplace={self.inplace}")
 
 
+class TigonVocabParallelLinearCrossEntropyLoss(nn.Module):
+    """Cross entropy of ``x @ weight.T + bias`` for an output head split over the vocabulary
+    across ranks (tensor parallel), without the logits, called as ``loss_fn(x, weight, target,
+    bias=None)``: x [..., H] and target [...] (global ids) the same on every rank, weight this
+    rank's [V_r, H] shard (ids from ``vocab_start``; None: gathered) or a DTensor sharded over
+    the vocabulary (torch's ColwiseParallel; group and start then from it). Every rank gets the
+    whole loss. Options as ``TigonVocabParallelCrossEntropyLoss``, plus ``chunk_budget`` (bytes
+    of logits a chunk may hold); see ``tigon.functional.vocab_parallel_linear_cross_entropy``."""
+
+    def __init__(self, group=None, vocab_start: int | None = None, ignore_index: int = -100, reduction: str = "mean",
+                 label_smoothing: float = 0.0, lse_square_scale: float = 0.0, softcap: float | None = None,
+                 return_z_loss: bool = False, chunk_budget: int | None = None):
+        super().__init__()
+        self.group, self.vocab_start = group, vocab_start
+        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+        self.lse_square_scale, self.softcap, self.return_z_loss = lse_square_scale, softcap, return_z_loss
+        self.chunk_budget = chunk_budget
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None):
+        return TF.vocab_parallel_linear_cross_entropy(
+            x, weight, target, bias, group=self.group, vocab_start=self.vocab_start, ignore_index=self.ignore_index,
+            reduction=self.reduction, label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale,
+            softcap=self.softcap, return_z_loss=self.return_z_loss, chunk_budget=self.chunk_budget)
+
+    def extra_repr(self) -> str:
+        return (f"vocab_start={self.vocab_start}, ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                f"label_smoothing={self.label_smoothing}, lse_square_scale={self.lse_square_scale}, "
+                f"softcap={self.softcap}, chunk_budget={self.chunk_budget}")
+
+
 class TigonKLDivLoss(nn.Module):
     """``nn.KLDivLoss`` computed by tigon's kernel, called as ``loss_fn(input, target)``: input
     log-probabilities [..., V], target probabilities (log-probabilities with ``log_target``).

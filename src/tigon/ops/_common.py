@@ -228,6 +228,20 @@ def traced(*tensors) -> bool:
     return torch.compiler.is_compiling() or any(type(t) is not torch.Tensor for t in tensors)
 
 
+def is_dtensor(t) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor``. Plain tensors and parameters are told apart
+    by their type, without importing torch.distributed.tensor (torch.distributed may be unavailable)."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter) or not isinstance(t, torch.Tensor):
+        return False
+    if not torch.distributed.is_available():
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.5
+        from torch.distributed._tensor import DTensor
+    return isinstance(t, DTensor)
+
+
 def check_same_device(**tensors) -> None:
     """All given tensors (None entries skipped) must sit on one device."""
     items = [(n, t) for n, t in tensors.items() if t is not None]

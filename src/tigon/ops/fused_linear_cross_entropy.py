@@ -6,7 +6,8 @@ dx_c = dlogits @ W and dW += dlogits^T @ x_c (db += column sums). All three matm
 forward pass; the backward only scales the stored gradients by grad_output (a launch, no pass
 over memory, when grad_output == 1). With reduction="none" the gradient depends on a per-row
 grad_output, so the forward computes the losses only and the backward recomputes each chunk's
-logits (four matmuls instead of three).
+logits (four matmuls instead of three). The chunk walk itself (``linear_loss_chunks``) also
+serves the vocabulary-sharded head (tigon.ops.vocab_parallel_linear_cross_entropy).
 
 Chunk size trade-off (``chunk_rows_for_budget``): the chunk's logits take rows * V elements of
 x's dtype. Larger chunks mean fewer, larger matmuls and fewer launches (small batches run in
@@ -70,17 +71,15 @@ def chunk_rows_for_budget(n_rows: int, vocab: int, element_size: int, budget_byt
     return min(fit, cdiv(rows, 64) * 64) if fit >= 64 else rows
 
 
-def _rows(parts, computed, dtype, device):
-    """Per-chunk row outputs joined (empty when there were no rows), or None when not computed."""
-    if not computed:
-        return None
-    return torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
-
-
-def flce_chunks(x2, w, bias, target, norms, opts: CrossEntropyOptions, *, need_dx, need_dw, need_db, accum_dtype,
-                chunk_rows, row_scale=None):
-    """Walk the row chunks. Returns (loss_rows, z_rows, predicted, dx, dw, db); gradients are for
-    grad_output = 1, or for per-row grad_output ``row_scale`` [rows] when given."""
+def linear_loss_chunks(x2, w, bias, chunk_rows, chunk_loss, *, need_dx, need_dw, need_db, accum_dtype,
+                       row_scale=None):
+    """The chunk walk of a loss over a linear head's logits: for each chunk of rows [start, stop)
+    of x2 [rows, H], logits = x_c @ w.T (+ bias) [chunk, V] into one reused buffer (matmuls in
+    x2's dtype), then ``chunk_loss(logits, start, stop, grad)`` -> the chunk's row outputs (a
+    tuple), writing d loss / d logits for grad_output = 1 over logits when ``grad`` is logits
+    (None: no gradient wanted). From those: dx (x2's dtype), dw (accum_dtype or w's), db (fp32)
+    as asked, for grad_output 1 or per-row grad_output ``row_scale`` [rows]. Returns (the row
+    outputs of each chunk, dx, dw, db), None for each gradient not asked for."""
     n_rows, _ = x2.shape
     vocab = w.shape[0]
     device = x2.device
@@ -94,7 +93,7 @@ def flce_chunks(x2, w, bias, target, norms, opts: CrossEntropyOptions, *, need_d
         # The first chunk's matmul writes dW outright (no zero fill).
         dw = (new_output if n_rows > 0 else torch.zeros)(w.shape, dtype=dw_dtype, device=device)
     db = torch.zeros(vocab, dtype=torch.float32, device=device) if need_db else None
-    loss_parts, z_parts, predicted_parts = [], [], []
+    outputs = []
     logits_buf = torch.empty((min(chunk_rows, n_rows), vocab), dtype=x2.dtype, device=device)
     for start in range(0, n_rows, chunk_rows):
         stop = min(start + chunk_rows, n_rows)
@@ -104,11 +103,7 @@ def flce_chunks(x2, w, bias, target, norms, opts: CrossEntropyOptions, *, need_d
             torch.addmm(bc, xc, wc.t(), out=logits)
         else:
             torch.mm(xc, wc.t(), out=logits)
-        loss_c, z_c, predicted_c = cross_entropy_rows(logits, target[start:stop], norms,
-                                                      logits if compute_grad else None, opts)
-        loss_parts.append(loss_c)
-        z_parts.append(z_c)
-        predicted_parts.append(predicted_c)
+        outputs.append(chunk_loss(logits, start, stop, logits if compute_grad else None))
         if not compute_grad:
             continue
         if row_scale is not None:
@@ -119,9 +114,31 @@ def flce_chunks(x2, w, bias, target, norms, opts: CrossEntropyOptions, *, need_d
             accumulate_mm(dw, logits.t(), xc, first=start == 0)
         if need_db:
             db += logits.sum(0, dtype=torch.float32)
-    return (_rows(loss_parts, True, torch.float32, device),
-            _rows(z_parts, bool(opts.lse_square_scale), torch.float32, device),
-            _rows(predicted_parts, opts.compute_argmax, torch.int64, device), dx, dw, db)
+    return outputs, dx, dw, db
+
+
+def joined_rows(parts, computed, dtype, device):
+    """Per-chunk row outputs joined (empty when there were no rows), or None when not computed."""
+    if not computed:
+        return None
+    return torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
+
+
+def flce_chunks(x2, w, bias, target, norms, opts: CrossEntropyOptions, *, need_dx, need_dw, need_db, accum_dtype,
+                chunk_rows, row_scale=None):
+    """Walk the row chunks. Returns (loss_rows, z_rows, predicted, dx, dw, db); gradients are for
+    grad_output = 1, or for per-row grad_output ``row_scale`` [rows] when given."""
+
+    def chunk_loss(logits, start, stop, grad):
+        return cross_entropy_rows(logits, target[start:stop], norms, grad, opts)
+
+    outputs, dx, dw, db = linear_loss_chunks(x2, w, bias, chunk_rows, chunk_loss, need_dx=need_dx, need_dw=need_dw,
+                                             need_db=need_db, accum_dtype=accum_dtype, row_scale=row_scale)
+    loss_parts, z_parts, predicted_parts = (list(parts) for parts in zip(*outputs)) if outputs else ([], [], [])
+    device = x2.device
+    return (joined_rows(loss_parts, True, torch.float32, device),
+            joined_rows(z_parts, bool(opts.lse_square_scale), torch.float32, device),
+            joined_rows(predicted_parts, opts.compute_argmax, torch.int64, device), dx, dw, db)
 
 
 def check_flce_args(x, weight, target, bias):

@@ -251,13 +251,21 @@ def shard_stats(logits2, target, vocab_start, ignore_index, softcap, sum_logits)
     return stats
 
 
-def check_shard_hits(stats, target, world_size, ignore_index) -> None:
-    """Every non-ignored target in exactly one rank's shard (one host sync; see the module
-    docstring for when it is skipped). Real implementations only."""
-    n = target.shape[0]
-    if not ce.CHECK_LABELS or not n or capturing() or traced(stats, target):
-        return
-    hits = stats.view(world_size, n + 1, STATS)[:, :n, HIT].sum(0)
+def shard_hit_counts(stats, n_rows: int, world_size: int):
+    """fp32 [n_rows]: in how many ranks' shards each row's target lies, from the gathered stats
+    [world_size * (n_rows + 1), 5]."""
+    return stats.view(world_size, n_rows + 1, STATS)[:, :n_rows, HIT].sum(0)
+
+
+def hit_check_wanted(*tensors) -> bool:
+    """Whether the shard-hit check runs: not with TIGON_CHECK_LABELS=0, during CUDA graph capture
+    or while traced (it reads the hits on the host)."""
+    return ce.CHECK_LABELS and not capturing() and not traced(*tensors)
+
+
+def check_hit_counts(hits, target, ignore_index) -> None:
+    """Every non-ignored target in exactly one rank's shard, given ``hits`` [N] (see
+    ``shard_hit_counts``): a ValueError otherwise (one host sync)."""
     bad = (target != ignore_index) & (hits != 1)
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
@@ -266,6 +274,14 @@ def check_shard_hits(stats, target, world_size, ignore_index) -> None:
                  f"in {count} ranks' vocabulary shards (they overlap: check vocab_start)")
         raise ValueError(f"target holds {label}, which is not ignore_index={ignore_index} and lies {where} "
                          "(set TIGON_CHECK_LABELS=0 to skip this check, which syncs with the GPU)")
+
+
+def check_shard_hits(stats, target, world_size, ignore_index) -> None:
+    """Every non-ignored target in exactly one rank's shard (one host sync; see the module
+    docstring for when it is skipped). Real implementations only."""
+    n = target.shape[0]
+    if n and hit_check_wanted(stats, target):
+        check_hit_counts(shard_hit_counts(stats, n, world_size), target, ignore_index)
 
 
 def _check_loss_args(logits, target, stats, world_size):
@@ -278,13 +294,11 @@ def _check_loss_args(logits, target, stats, world_size):
                          f"got {stats.dtype} {tuple(stats.shape)}")
 
 
-def sharded_rows(logits2, target, stats, world_size, vocab_start, opts: CrossEntropyOptions, grad):
-    """Launch on checked inputs -> (loss, z_loss or None), reduced as opts say; grad (None: not
-    computed; it may be logits2) receives d loss / d logits2 for grad_output = 1."""
-    check_option_values(opts)
-    check_shard_hits(stats, target, world_size, opts.ignore_index)
-    target = target.contiguous()
-    norms = cross_entropy_norms(target, opts)
+def sharded_loss_rows(logits2, target, stats, world_size, vocab_start, opts: CrossEntropyOptions, norms, grad):
+    """Launch on checked inputs (target contiguous) -> (loss rows fp32 [N], z-loss rows fp32 [N] or
+    None), not reduced; grad (None: not computed; it may be logits2) receives the rows' d loss /
+    d logits2 for grad_output = 1, normalised by ``norms`` (``cross_entropy_norms``; a chunked
+    caller passes those of its whole call)."""
     n_rows, n_cols = logits2.shape
     device = logits2.device
     loss = new_output((n_rows,), torch.float32, device)
@@ -300,6 +314,17 @@ def sharded_rows(logits2, target, stats, world_size, vocab_start, opts: CrossEnt
                HAS_SOFTCAP=bool(opts.softcap), HAS_SMOOTHING=opts.label_smoothing > 0,
                HAS_Z_LOSS=bool(opts.lse_square_scale), COMPUTE_GRAD=grad is not None,
                BLOCK_V=block, num_warps=num_warps)
+    return loss, z_rows
+
+
+def sharded_rows(logits2, target, stats, world_size, vocab_start, opts: CrossEntropyOptions, grad):
+    """Launch on checked inputs -> (loss, z_loss or None), reduced as opts say; grad (None: not
+    computed; it may be logits2) receives d loss / d logits2 for grad_output = 1."""
+    check_option_values(opts)
+    check_shard_hits(stats, target, world_size, opts.ignore_index)
+    target = target.contiguous()
+    norms = cross_entropy_norms(target, opts)
+    loss, z_rows = sharded_loss_rows(logits2, target, stats, world_size, vocab_start, opts, norms, grad)
     loss, z_loss, _, _ = reduce_loss_rows(loss, z_rows, None, norms, target, opts)
     return loss, z_loss
 

@@ -19,7 +19,7 @@ from torch import nn
 from tigon import functional as TF
 from tigon.memory_trace import planning
 from tigon.ops import TiedGradSlot
-from tigon.ops._common import ThreadFlag, thread_flag
+from tigon.ops._common import ThreadFlag, is_dtensor, thread_flag
 from tigon.ops.cross_entropy import deferred_label_checks
 from tigon.ops.glu import TORCH_ACTIVATIONS
 from tigon.ops.glu_mlp import gated_mlp, glu_down
@@ -510,26 +510,28 @@ class _HeadCapture(threading.local):
 
 
 _HEAD_CAPTURE = _HeadCapture()
-CAPTURING_HEAD = "output head (hands its input to the causal-LM loss)"
+CAPTURING_HEAD = "output head (computes the causal-LM loss from its input, no logits)"
 
 
-def _captured(into: dict, hidden):
-    """The head's input put in ``into``, and the empty [..., 0] tensor the head returns in its
-    place (softcap / scaling on it cost nothing)."""
-    into["hidden"] = hidden
+def _captured(into: dict, head: nn.Module, hidden):
+    """The head's part of the causal-LM loss, run inside the head's forward: ``into["loss_of"](head,
+    hidden)`` lands in ``into["loss"]``, and the head returns an empty [..., 0] tensor in place of
+    its logits (softcap / scaling on it cost nothing). Inside the forward, FSDP2 and DeepSpeed
+    ZeRO-3 have gathered the head's sharded weight (their module hooks run around it), and the
+    loss's gradient reaches the weight through the head's own call."""
+    into["loss"] = into["loss_of"](head, hidden)
     return hidden.new_empty(*hidden.shape[:-1], 0)
 
 
 def make_capturing_head_forward(forward):
     """The output head's forward of an instance-patched model: inside the patched causal-LM
-    forward's FLCE call it hands its input (the last hidden state) to the caller (``_captured``);
-    elsewhere
-    ``forward``. Set once at patch time, so that the forward changes nothing on modules while
+    forward's FLCE call it computes the loss from its input, the last hidden state (``_captured``);
+    elsewhere ``forward``. Set once at patch time, so that the forward changes nothing on modules while
     it runs (what torch.compile traces; class patches, whose heads are not known in advance,
     swap the head's forward for the call instead)."""
     def head_forward(self, hidden):
         into = _HEAD_CAPTURE.into
-        return forward(self, hidden) if into is None else _captured(into, hidden)
+        return forward(self, hidden) if into is None else _captured(into, self, hidden)
 
     head_forward._tigon = CAPTURING_HEAD
     return head_forward
@@ -537,7 +539,8 @@ def make_capturing_head_forward(forward):
 
 @contextlib.contextmanager
 def _capturing_head(head: nn.Module, captured: dict):
-    """The head's input lands in ``captured["hidden"]`` for the block, by the head's capturing
+    """The head computes ``captured["loss_of"]`` of its input into ``captured["loss"]`` for the
+    block (``_captured``), by the head's capturing
     forward when the patcher set one, else by a forward swapped in for the block."""
     if getattr(head.forward, "_tigon", None) == CAPTURING_HEAD:
         before, _HEAD_CAPTURE.into = _HEAD_CAPTURE.into, captured
@@ -547,7 +550,7 @@ def _capturing_head(head: nn.Module, captured: dict):
             _HEAD_CAPTURE.into = before
         return
 
-    with _instance_forward(head, functools.partial(_captured, captured)):
+    with _instance_forward(head, functools.partial(_captured, captured, head)):
         yield
 
 
@@ -650,7 +653,10 @@ def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mo
     does and the loss with tigon's cross entropy. Without labels, or in eval, HF's forward runs
     unchanged. Honours num_items_in_batch, shift_labels, ignore_index, logits_to_keep, Gemma's
     final_logit_softcapping, Granite's logits_scaling, Falcon-H1's lm_head_multiplier
-    (``multiplier_attr``) and MoE auxiliary losses. ``chunk_budget``:
+    (``multiplier_attr``) and MoE auxiliary losses. The loss runs inside the head's forward
+    (``_captured``), where FSDP2 and DeepSpeed ZeRO-3 have gathered its weight; a head whose weight
+    is a vocabulary-sharded DTensor there (tensor parallel: ColwiseParallel) runs
+    ``vocab_parallel_linear_cross_entropy``. ``chunk_budget``:
     bytes of logits an FLCE chunk may hold (None: FLCE's default, 512 MiB). With tied input and
     output embeddings, the embedding runs on tigon's op during the call and the two share one
     [V, H] gradient buffer (see tigon.ops.embedding). ``composite``: an image+text
@@ -685,31 +691,42 @@ def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mo
         generated = not composite and all(call.get(name) is None for name in (
             "position_ids", "attention_mask", "past_key_values", "cache", "inputs_embeds"))
         slot = embed = None
-        if mode == "flce" and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if (mode == "flce" and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                and not is_dtensor(head.weight)):
             # One [V, H] gradient for the tied head and embedding: eager only (see tigon.ops.embedding).
             embed = tied_input_embedding(self, head)
             slot = TiedGradSlot() if embed is not None else None
-        with (_capturing_head(head, captured) if mode == "flce" else contextlib.nullcontext()), \
-                _instance_forward(embed, None if embed is None else make_tied_embedding_forward(embed, slot)), \
-                thread_flag(_GENERATED_POSITIONS, generated), \
-                thread_flag(_CHECKPOINTED_LAYERS, checkpointed_layers(self)):
-            out = original(self, **call)
         ignore_index = call.get("ignore_index", -100)
         target = shifted_labels(labels, call.get("shift_labels"), ignore_index)
         num_items = call.get("num_items_in_batch")
         reduction = "sum" if num_items is not None else "mean"
         config = self.config.get_text_config() if composite else self.config
         softcap = getattr(config, softcap_attr, None) if softcap_attr else None
-        if mode == "flce":
-            hidden = captured["hidden"]
-            if target.shape[-1] != hidden.shape[-2]:  # logits_to_keep: the kept positions' targets
-                target = target[..., -hidden.shape[-2]:]
+
+        def head_loss(head, hidden):  # runs inside the head's forward (see _captured)
+            rows = target[..., -hidden.shape[-2]:]  # logits_to_keep: the kept positions' targets
             if divisor_attr and getattr(config, divisor_attr, None):
                 hidden = hidden / getattr(config, divisor_attr)
             if multiplier_attr and getattr(config, multiplier_attr, None) is not None:
                 hidden = hidden * getattr(config, multiplier_attr)
-            loss = _flce(hidden, head.weight, target.to(hidden.device), head.bias, ignore_index=ignore_index,
+            if is_dtensor(head.weight):  # a tensor-parallel head (ColwiseParallel): a vocabulary shard a rank
+                return TF.vocab_parallel_linear_cross_entropy(
+                    hidden, head.weight, rows.to(hidden.device), head.bias, ignore_index=ignore_index,
+                    reduction=reduction, softcap=softcap, chunk_budget=chunk_budget)
+            return _flce(hidden, head.weight, rows.to(hidden.device), head.bias, ignore_index=ignore_index,
                          reduction=reduction, softcap=softcap, chunk_budget=chunk_budget, tied_slot=slot)
+
+        captured["loss_of"] = head_loss
+        with (_capturing_head(head, captured) if mode == "flce" else contextlib.nullcontext()), \
+                _instance_forward(embed, None if embed is None else make_tied_embedding_forward(embed, slot)), \
+                thread_flag(_GENERATED_POSITIONS, generated), \
+                thread_flag(_CHECKPOINTED_LAYERS, checkpointed_layers(self)):
+            out = original(self, **call)
+        if mode == "flce":
+            if "loss" not in captured:
+                raise RuntimeError(f"{type(self).__name__}.forward did not call its output head "
+                                   f"({type(head).__name__}): tigon's fused loss runs inside the head's call")
+            loss = captured["loss"]
             logits = None
         else:
             logits = out.logits
