@@ -371,6 +371,9 @@ def run(impl, model_type, shape_kwargs, state, args, batch):
                   peak_gib=max(peak_fb, peak_opt) / 2**30, peak_fwd_bwd_gib=peak_fb / 2**30,
                   peak_optimizer_gib=peak_opt / 2**30, losses=[float(x) for x in losses], report=report)
     del model, trained, opt, batches
+    import gc
+
+    gc.collect()  # FSDP2's modules and hooks form reference cycles: their sharded weights would outlive the run
     _empty_cache()
     if impl not in _COMPILED_MODELS:
         tigon.unpatch()
