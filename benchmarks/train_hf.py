@@ -503,9 +503,9 @@ def main():
     state, n_params = initial_state(model_type, shape_kwargs, DTYPES[args.dtype])
     batches = args.batches or [args.batch]
     image = f", one {args.image_size}-pixel image per sequence" if model_type in VISION_LANGUAGE else ""
-    world = f", {args.parallel} over {world} GPUs (batch per GPU)" if world > 1 else ""
+    across = f", {args.parallel} over {world} GPUs (batch per GPU)" if world > 1 else ""
     print(f"{args.shape}{' (tiny)' if args.tiny else ''}: {n_params / 1e9:.2f}B parameters, batch {batches} x "
-          f"{args.seq}{image}, {args.dtype}, {_device_name()}{world}", flush=True)
+          f"{args.seq}{image}, {args.dtype}, {_device_name()}{across}", flush=True)
     results, failed = [], set()
     for batch in batches:
         for impl in args.impls.split(","):

@@ -9,6 +9,8 @@ included; FSDP2's sharded gradients gathered) with the single-process ones, then
 step and compares the next loss. One spawned job for the module."""
 
 
+import contextlib
+
 import pytest
 import torch
 
@@ -128,13 +130,9 @@ def distributed(rank, how, tied, micro, device):
     for i in range(micro):
         last = i == micro - 1
         part = slice(mine.start + i * step, mine.start + (i + 1) * step)
-        if how == "ddp":
-            sync = torch.enable_grad() if last else wrapped.no_sync()
-        elif how == "tp_head":
-            sync = torch.enable_grad()
-        else:
+        sync = wrapped.no_sync() if how == "ddp" and not last else contextlib.nullcontext()
+        if how.startswith("fsdp2"):
             wrapped.set_requires_gradient_sync(last)
-            sync = torch.enable_grad()
         with sync:
             loss = wrapped(input_ids=ids[part], labels=labels[part], num_items_in_batch=total).loss * split
             loss.backward()

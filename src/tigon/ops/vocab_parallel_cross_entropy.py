@@ -478,14 +478,18 @@ def gather_rows(t, group):
     return funcol.wait_tensor(gather(t, 0, group))
 
 
+def shard_widths(n_cols: int, group, device) -> list[int]:
+    """Every rank's shard width, in rank order: an all-gather and a host sync."""
+    return gather_rows(torch.tensor([[n_cols]], dtype=torch.int64, device=device), group).view(-1).tolist()
+
+
 @torch.compiler.disable
 def shard_start(n_cols: int, group, device) -> int:
-    """This rank's first vocabulary id: the widths of the shards of lower ranks, gathered (a
-    collective and a host sync; under torch.compile, a graph break)."""
+    """This rank's first vocabulary id: the widths of the shards of lower ranks (``shard_widths``;
+    under torch.compile, a graph break)."""
     import torch.distributed as dist
 
-    widths = gather_rows(torch.tensor([[n_cols]], dtype=torch.int64, device=device), group)
-    return int(widths[:dist.get_rank(group)].sum())
+    return sum(shard_widths(n_cols, group, device)[:dist.get_rank(group)])
 
 
 def sharded_cross_entropy(logits2, target, group, world_size, vocab_start, opts: CrossEntropyOptions,

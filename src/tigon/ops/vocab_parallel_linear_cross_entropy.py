@@ -70,6 +70,7 @@ from tigon.ops.vocab_parallel_cross_entropy import (
     process_group,
     shard_hit_counts,
     shard_stats,
+    shard_widths,
     sharded_loss_rows,
 )
 
@@ -94,7 +95,7 @@ def plain_layout(width: int, group, vocab_start, device) -> ShardLayout:
         return ShardLayout(None, 1, vocab_start or 0, width)
     import torch.distributed as dist
 
-    widths = gather_rows(torch.tensor([[width]], dtype=torch.int64, device=device), group).view(-1).tolist()
+    widths = shard_widths(width, group, device)
     if vocab_start is None:
         vocab_start = sum(widths[:dist.get_rank(group)])
     return ShardLayout(group, world_size, vocab_start, max(widths))

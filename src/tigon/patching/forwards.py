@@ -686,7 +686,6 @@ def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mo
         return_dict = call.pop("return_dict", None)
         call["labels"] = None
         head = self.get_output_embeddings()
-        captured = {}
 
         generated = not composite and all(call.get(name) is None for name in (
             "position_ids", "attention_mask", "past_key_values", "cache", "inputs_embeds"))
@@ -716,7 +715,7 @@ def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mo
             return _flce(hidden, head.weight, rows.to(hidden.device), head.bias, ignore_index=ignore_index,
                          reduction=reduction, softcap=softcap, chunk_budget=chunk_budget, tied_slot=slot)
 
-        captured["loss_of"] = head_loss
+        captured = {"loss_of": head_loss}
         with (_capturing_head(head, captured) if mode == "flce" else contextlib.nullcontext()), \
                 _instance_forward(embed, None if embed is None else make_tied_embedding_forward(embed, slot)), \
                 thread_flag(_GENERATED_POSITIONS, generated), \
