@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tests.helpers import DEVICE, DTYPES, check_op, pick, randn, up
+from tests.helpers import DEVICE, DTYPES, TOL, check_op, pick, randn, rel_err, up
 from tigon import functional as TF
 from tigon.nn import TigonCrossEntropyLoss
 
@@ -172,6 +172,90 @@ def test_token_accuracy_ties_take_the_first_maximum_across_blocks():
     target = torch.tensor([9000, 5], device=DEVICE)
     per_row = TF.cross_entropy(logits, target, reduction="none", return_token_accuracy=True)[1]
     assert per_row.tolist() == [0.0, 1.0]
+
+
+# ---- -inf logits (a masked vocabulary) ----
+
+NARROW_BLOCK = 64
+
+
+def narrow_blocks(monkeypatch):
+    """BLOCK_V capped at 64 for the test: rows of a few hundred logits span several blocks (in the
+    interpreter a block is otherwise the whole row, up to 16384)."""
+    from tigon.ops import cross_entropy as ce
+
+    launch_config = ce.ce_launch_config
+
+    def narrow(n_rows, n_cols, device):
+        programs, block, num_warps = launch_config(n_rows, n_cols, device)
+        return programs, min(block, NARROW_BLOCK), num_warps
+
+    monkeypatch.setattr(ce, "ce_launch_config", narrow)
+
+
+def masked_logits(n, v, dtype, block):
+    """(logits [n, v] with -inf entries, target [n] on finite ones). Row 0: -inf but its target
+    (the last column); rows 1 mod 3: their first blocks (BLOCK_V wide) all -inf; other rows: a
+    third of the entries -inf, scattered; the last row ignored."""
+    logits = (torch.randn(n, v, device=DEVICE) * 3).to(dtype)
+    scattered = torch.rand(n, v, device=DEVICE) < 1 / 3
+    scattered[1::3] = False
+    scattered[1::3, :max(block, v // 2 // block * block)] = True
+    logits[scattered] = float("-inf")
+    target = torch.multinomial(logits.isfinite().float(), 1).squeeze(1)
+    logits[0, :-1] = float("-inf")
+    logits[0, -1] = 1.5
+    target[0] = v - 1
+    target[-1] = -100
+    return logits, target
+
+
+def check_masked(logits, target, reduction, **opts):
+    """tigon against torch in float64 on the same logits: no NaN in the loss or the gradient
+    (under a random cotangent); the loss +inf where torch's is (label smoothing over -inf
+    logits), else within TOL; the gradient, finite as torch's, within TOL."""
+    dtype = logits.dtype
+    x = logits.clone().requires_grad_()
+    loss = TF.cross_entropy(x, target, reduction=reduction, **opts)
+    x64 = logits.double().requires_grad_()
+    ref = ref_cross_entropy(x64, target, reduction=reduction, **opts)
+    cotangent = torch.randn(ref.shape, device=DEVICE, dtype=torch.float64)
+    (grad,) = torch.autograd.grad(loss, x, cotangent.to(loss.dtype))
+    (ref_grad,) = torch.autograd.grad(ref, x64, cotangent)
+    assert not loss.isnan().any(), f"NaN loss: {loss}"
+    assert not grad.isnan().any(), f"NaN gradient in rows {grad.isnan().any(-1).nonzero().flatten().tolist()}"
+    assert ref_grad.isfinite().all()
+    assert torch.equal(loss.double().isposinf(), ref.isposinf()), f"loss {loss}, torch {ref}"
+    finite = ref.isfinite()
+    assert rel_err(loss[finite], ref[finite]) <= TOL[dtype], f"loss {loss}, torch {ref}"
+    assert rel_err(grad, ref_grad) <= TOL[dtype]
+
+
+MASKED_OPTIONS = {"plain": dict(), "z_loss": dict(lse_square_scale=1e-3), "smoothing": dict(label_smoothing=0.1)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("option", list(MASKED_OPTIONS))
+def test_masked_vocabulary_blocks_of_only_minus_inf(monkeypatch, dtype, reduction, option):
+    """-inf logits, whole blocks of them before the row's first finite one: loss and gradient as
+    torch's (the online log-sum-exp once formed exp(-inf + inf), a NaN loss and row gradient)."""
+    narrow_blocks(monkeypatch)
+    logits, target = masked_logits(9, 300, dtype, NARROW_BLOCK)
+    check_masked(logits, target, reduction, **MASKED_OPTIONS[option])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, option", [(torch.float16, "plain"), (torch.float16, "z_loss"),
+                                           (torch.bfloat16, "smoothing")])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_masked_vocabulary_at_the_fuzzed_shape(dtype, option, reduction):
+    """The fuzzer's case on the H100: [64, 32000], two 16384-wide blocks a row."""
+    from tigon.ops.cross_entropy import ce_launch_config
+
+    block = ce_launch_config(64, 32000, torch.device(DEVICE))[1]
+    logits, target = masked_logits(64, 32000, dtype, block)
+    check_masked(logits, target, reduction, **MASKED_OPTIONS[option])
 
 
 def test_no_grad_leaves_logits_untouched():
@@ -475,7 +559,7 @@ def test_gradient_formed_in_the_forward_is_scaled_in_place_and_adopted(reduction
     buffers = []  # data pointers only: a reference kept here would make autograd copy the buffer
     rows = ce.cross_entropy_rows
     monkeypatch.setattr(ce, "cross_entropy_rows",
-                        lambda l, t, n, g, o: buffers.append(g.data_ptr()) or rows(l, t, n, g, o))
+                        lambda x, t, n, g, o: buffers.append(g.data_ptr()) or rows(x, t, n, g, o))
     logits = randn((8, 40), torch.float32, requires_grad=True)
     target = make_target(8, 40)
     loss = TF.cross_entropy(logits, target, reduction=reduction)

@@ -5,6 +5,7 @@ from tests.helpers import DEVICE, DTYPES, check_op, pick, randn
 from tests.ops.test_cross_entropy import (
     check_compiled,
     make_target,
+    narrow_blocks,
     opcheck_all_succeed,
     option_args,
     ref_cross_entropy,
@@ -77,6 +78,26 @@ def test_flce_cross_entropy_options(option, dtype):
     check_op(lambda x, w: TF.fused_linear_cross_entropy(x, w, target, chunk_budget=8 * v * 4, **ours),
              lambda x, w: ref_flce(x, w, target, **opts), [x, w], dtype=dtype,
              tol=1e-4 if dtype == torch.float32 else 2e-2, what=f"flce[{option}]",
+             noise_floor=2 * 2**-8 if dtype == torch.bfloat16 else 2e-5, worse_than_eager=3.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_flce_masked_vocabulary(monkeypatch, dtype):
+    """A bias of -inf over the first blocks of the vocabulary (a masked vocabulary): loss and
+    gradients as torch's (the cross-entropy kernel's online log-sum-exp once formed
+    exp(-inf + inf) there: NaN)."""
+    narrow_blocks(monkeypatch)
+    n, h, v = SHAPES[0]
+    x = randn((n, h), dtype, requires_grad=True)
+    w = randn((v, h), dtype, scale=h**-0.5 * 3, requires_grad=True)
+    b = randn((v,), dtype, scale=0.5)
+    b[:v // 2] = float("-inf")
+    b.requires_grad_()
+    target = torch.randint(v // 2, v, (n,), device=DEVICE)
+    target[::3] = -100
+    check_op(lambda x, w, b: TF.fused_linear_cross_entropy(x, w, target, b, chunk_budget=8 * v * 4),
+             lambda x, w, b: ref_flce(x, w, target, b), [x, w, b], dtype=dtype,
+             tol=1e-4 if dtype == torch.float32 else 2e-2, what="flce[masked]",
              noise_floor=2 * 2**-8 if dtype == torch.bfloat16 else 2e-5, worse_than_eager=3.0)
 
 

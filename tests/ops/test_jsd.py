@@ -102,6 +102,29 @@ def test_jsd_kernel_large_logits_keep_precision(beta, temperature, offsets):
         assert err <= max(4 * eager_err, 1e-5), f"{name}: relative error {err:.3g}, eager fp32 torch {eager_err:.3g}"
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # the interpreter's inf - inf
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_jsd_kernel_masked_vocabulary(temperature):
+    """Forward KL over logits whose whole first block (8192 wide) is -inf (a masked vocabulary):
+    row 0 the student's only, row 1 both, row 2 neither. The gradient (P - Q) / T is finite and
+    torch's (the online log-sum-exp once formed exp(-inf + inf): a NaN row); the loss is torch's,
+    +inf in row 0 (row 1's is NaN in torch too: 0 * (-inf + inf), so not compared)."""
+    n, v = 3, 9001
+    s = randn((n, v), torch.float32, scale=2.0)
+    t = randn((n, v), torch.float32, scale=2.0)
+    s[:2, :8192] = float("-inf")
+    t[1, :8192] = float("-inf")
+    grad = torch.empty_like(s)
+    loss = jsd_rows(s, t, grad, 0.0, temperature)
+    s64 = s.double().requires_grad_()
+    ref = ref_jsd_rows(s64, t.double(), 0.0, temperature)
+    (ref_grad,) = torch.autograd.grad(ref.sum(), s64)
+    assert ref_grad.isfinite().all() and not grad.isnan().any()
+    assert rel_err(grad, ref_grad) <= 1e-5
+    assert loss[0] == ref[0] == float("inf")
+    assert rel_err(loss[2], ref[2]) <= 1e-5
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("compute_grad", [True, False])
 def test_linear_jsd_opcheck(bias, compute_grad):

@@ -57,7 +57,7 @@ from tigon.ops._common import (
     traced,
 )
 from tigon.ops._internals import graph_retained, launch
-from tigon.ops.cross_entropy import scale_rows
+from tigon.ops.cross_entropy import safe_max, scale_rows
 from tigon.ops.linear_token_logps import (
     check_linear_head,
     fake_logit_grad,
@@ -107,16 +107,20 @@ def jsd_kernel(
         b = tl.load(t_row + cols, mask=mask, other=-float("inf")).to(tl.float32) * inv_temp
         new_a = tl.maximum(m_a, tl.max(a, axis=0))
         new_b = tl.maximum(m_b, tl.max(b, axis=0))
-        pa = tl.exp(a - new_a)
-        pb = tl.exp(b - new_b)
-        scale_a = tl.exp(m_a - new_a)
-        scale_b = tl.exp(m_b - new_b)
+        # Everything is kept relative to safe_max of the maxima (0 while a row is -inf so far):
+        # leading -inf blocks (a masked vocabulary) give sums of 0, not exp(-inf + inf) = NaN.
+        ref_a = safe_max(new_a)
+        ref_b = safe_max(new_b)
+        pa = tl.exp(a - ref_a)
+        pb = tl.exp(b - ref_b)
+        scale_a = tl.exp(m_a - ref_a)
+        scale_b = tl.exp(m_b - ref_b)
         if MODE == 0:
-            shift = tl.where(d_b > 0, (m_b - new_b) - (m_a - new_a), 0.0)
-            e_w = (e_w + d_b * shift) * scale_b + tl.sum(tl.where(mask, pb * ((b - new_b) - (a - new_a)), 0.0), axis=0)
+            shift = (safe_max(m_b) - ref_b) - (safe_max(m_a) - ref_a)
+            e_w = (e_w + d_b * shift) * scale_b + tl.sum(tl.where(mask, pb * ((b - ref_b) - (a - ref_a)), 0.0), axis=0)
         elif MODE == 1:
-            shift = tl.where(d_a > 0, (m_a - new_a) - (m_b - new_b), 0.0)
-            e_w = (e_w + d_a * shift) * scale_a + tl.sum(tl.where(mask, pa * ((a - new_a) - (b - new_b)), 0.0), axis=0)
+            shift = (safe_max(m_a) - ref_a) - (safe_max(m_b) - ref_b)
+            e_w = (e_w + d_a * shift) * scale_a + tl.sum(tl.where(mask, pa * ((a - ref_a) - (b - ref_b)), 0.0), axis=0)
         d_a = d_a * scale_a + tl.sum(pa, axis=0)
         d_b = d_b * scale_b + tl.sum(pb, axis=0)
         m_a = new_a

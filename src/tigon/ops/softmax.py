@@ -26,6 +26,7 @@ from tigon.ops._common import (
     row_block_config,
 )
 from tigon.ops._internals import launch
+from tigon.ops.cross_entropy import online_lse_update, safe_max
 
 # Widest row held in registers (one program of 32 warps a row at 32768, as Liger's single-block
 # kernel); wider rows are looped in WIDE_BLOCK chunks. Not yet tuned on the GPU.
@@ -42,7 +43,7 @@ def softmax_forward_kernel(X, stride_x, Y, stride_y, n_rows, n_cols, BLOCK_M: tl
     mask = row_mask[:, None] & (cols < n_cols)[None, :]
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=-float("inf")).to(tl.float32)
     m = tl.max(x, axis=1)
-    m = tl.where(m > -float("inf"), m, 0.0)  # a row of only -inf: 0 / 0 = NaN, as torch
+    m = safe_max(m)  # a row of only -inf: 0 / 0 = NaN, as torch
     e = tl.exp(x - m[:, None])
     s = tl.where(row_mask, tl.sum(e, axis=1), 1.0)  # rows past n_rows: no 0 / 0
     y = e / s[:, None]
@@ -94,9 +95,7 @@ def softmax_forward_wide_kernel(X, stride_x, Y, stride_y, n_cols, BLOCK: tl.cons
         cols = start + offs
         x = tl.load(x_row + cols, mask=cols < n_cols, other=-float("inf"), eviction_policy="evict_last")
         x = x.to(tl.float32)
-        new_m = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), axis=0)
-        m = new_m
+        m, s = online_lse_update(m, s, x, tl.max(x, axis=0))  # leading -inf chunks: no NaN
     inv_s = 1.0 / s
     n_blocks = tl.cdiv(n_cols, BLOCK)
     for i in range(n_blocks):

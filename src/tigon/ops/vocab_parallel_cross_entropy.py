@@ -55,8 +55,10 @@ from tigon.ops.cross_entropy import (
     cross_entropy_norms,
     finish_gradient,
     loss_scale,
+    online_lse_update,
     reduce_loss_rows,
     rows_alias,
+    safe_max,
     scaled_gradient,
     soft_cap,
     store_ignored_row,
@@ -118,19 +120,15 @@ def vocab_parallel_ce_stats_kernel(
                 block_max = tl.max(x, axis=0)
                 if in_shard & (local >= start) & (local < start + BLOCK_V):
                     z_y = tl.sum(tl.where(cols == local, x, 0.0), axis=0)
-                new_m = tl.maximum(m, block_max)
                 # A shard (so far) all -inf (a padded vocabulary masked out) sums to 0, not NaN.
-                shift = tl.where(new_m > -float("inf"), new_m, 0.0)
-                s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
-                m = new_m
+                m, s = online_lse_update(m, s, x, block_max)
                 if SUM_LOGITS:
                     if start == 0:
-                        ref = tl.where(block_max > -float("inf"), block_max, 0.0)
+                        ref = safe_max(block_max)
                     sum_acc += tl.where(mask, x - ref, 0.0)
             hit = tl.where(in_shard, 1.0, 0.0)
             if SUM_LOGITS:
-                shift = tl.where(m > -float("inf"), m, 0.0)
-                sum_z = tl.sum(sum_acc, axis=0) + n_cols * (ref - shift)
+                sum_z = tl.sum(sum_acc, axis=0) + n_cols * (ref - safe_max(m))
         out = STATS_OUT + row * 5
         tl.store(out, m)
         tl.store(out + 1, s)
@@ -181,8 +179,7 @@ def vocab_parallel_ce_kernel(
                 z_y += tl.load(stats + row * 5 + 2)
                 hits += tl.load(stats + row * 5 + 3)
                 if HAS_SMOOTHING:
-                    shift_r = tl.where(m_r > -float("inf"), m_r, 0.0)
-                    sum_z += tl.load(stats + row * 5 + 4) + tl.load(stats + header) * (shift_r - big_m)
+                    sum_z += tl.load(stats + row * 5 + 4) + tl.load(stats + header) * (safe_max(m_r) - big_m)
             bad = hits != 1.0
             log_s = tl.log(big_s)
             inv_s = 1.0 / big_s
