@@ -113,13 +113,40 @@ def test_rope_partial_rotary_matches_hf(dim, rot, layout, positions):
              [q, k], dtype=torch.float32, what=f"rope[D={dim}, R={rot}, {layout}]")
 
 
-def test_rope_odd_rotary_dim_is_refused():
-    """An odd R (HF's rotary embeddings always give an even one: cat(freqs, freqs)) would make
-    HF's rotate_half split unequal halves, which is no rotation: refused, naming cos."""
-    q, k = make_qk((1, 2, 1, 3, 15), torch.float32, "bhtd", False)
-    cos, sin = randn((1, 3, 15), torch.float32), randn((1, 3, 15), torch.float32)
-    with pytest.raises(ValueError, match="cos's last dim 15 must be even"):
+# (batch, q heads, kv heads, tokens, head dim D, rotary dim R, layout): an odd R = D (HF's
+# Llama formula: rotate_half splits x into x[:R//2] and the one longer x[R//2:]) on HF's transposed
+# views and on a row-padded [B, T, H, D] with more k heads than q heads; an odd R < D (Phi-3's).
+ODD_HEAD_DIMS = [(1, 3, 2, 3, 41, 41, "bhtd"), (1, 2, 3, 3, 7, 7, "bthd"), (2, 2, 1, 2, 9, 5, "bhtd")]
+
+
+@pytest.mark.parametrize("case", ODD_HEAD_DIMS, ids=lambda c: f"D{c[4]}-R{c[5]}-{c[6]}")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_odd_head_dim_matches_hf(case, dtype):
+    """HF's formula for an odd rotated dim R, element-wise as written: out[j] = x[j] c[j] -
+    x[j + R//2] s[j] for j <= R//2, x[j] c[j] + x[j - R//2 - 1] s[j] after. cos / sin are arbitrary
+    (halves not duplicated), so every element's own angle and partner are checked."""
+    batch, hq, hk, tokens, dim, rot, layout = case
+    unsqueeze_dim = 1 if layout == "bhtd" else 2
+    q, k = make_qk((batch, hq, hk, tokens, dim), dtype, layout, non_contiguous=True)
+    assert not q.is_contiguous()
+    cos, sin = randn((batch, tokens, rot), dtype), randn((batch, tokens, rot), dtype)
+    check_op(lambda q, k: TF.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim),
+             lambda q, k: ref_rope(q, k, cos.to(q.dtype), sin.to(q.dtype), unsqueeze_dim),
+             [q, k], dtype=dtype, what=f"rope[D={dim}, R={rot}, {layout}]")
+
+
+def test_rope_more_angles_than_head_dims_is_refused():
+    """Liger-Kernel's odd case: a rotary embedding built for head dim 41 gives cos / sin of width
+    42 (cat(freqs, freqs) of 21 frequencies), where HF's q * cos does not broadcast: refused,
+    naming cos. So is a cos of width 1 (HF's Llama formula would broadcast it, Phi-3's rotate one dim)."""
+    q, k = make_qk((1, 2, 1, 3, 41), torch.float32, "bhtd", False)
+    cos, sin = hf_cos_sin(1, 3, 41, torch.float32)
+    with pytest.raises(RuntimeError):
+        ref_rope(q, k, cos, sin)
+    with pytest.raises(ValueError, match="cos's last dim 42 is more than the head dim 41"):
         TF.apply_rotary_pos_emb(q, k, cos, sin)
+    with pytest.raises(ValueError, match="cos's last dim 1 must be at least 2"):
+        TF.apply_rotary_pos_emb(q, k, cos[..., :1], sin[..., :1])
 
 
 def test_rope_zero_stride_inputs():
@@ -203,8 +230,8 @@ def test_rope_bad_inputs():
         TF.apply_rotary_pos_emb(q, k[:, :, :4], cos, sin)
     with pytest.raises(ValueError, match="cos has 5 positions but q has 4 tokens"):
         TF.apply_rotary_pos_emb(q[:, :, :4], k[:, :, :4], cos, sin)
-    with pytest.raises(ValueError, match="must be even"):
-        TF.apply_rotary_pos_emb(q, k, cos[..., :15], sin[..., :15])
+    with pytest.raises(ValueError, match="cos's last dim 0 must be at least 2"):
+        TF.apply_rotary_pos_emb(q, k, cos[..., :0], sin[..., :0])
     with pytest.raises(ValueError, match="unsqueeze_dim"):
         TF.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=3)
     with pytest.raises(ValueError, match="position_ids range"):

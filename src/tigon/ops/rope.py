@@ -3,7 +3,11 @@
 out = x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1) over the rotated part.
 q [B, Hq, T, D] and k [B, Hk, T, D] (``unsqueeze_dim=1``; [B, T, H, D] with ``unsqueeze_dim=2``),
 any strides with a unit last stride; Hq != Hk (GQA) is fine. cos, sin [T, R] or [1|B, T, R]
-with R <= D even: the first R dims rotate, the rest pass through (partial rotary, as Phi-3).
+with R <= D: the first R dims rotate, the rest pass through (partial rotary, as Phi-3).
+An odd R (R = D of an odd head dim, or an odd partial R) is HF's formula as written:
+rotate_half splits x into x1 = x[:R//2] and x2 = x[R//2:], one longer, so out[j] = x[j] c[j] -
+x[j + R//2] s[j] for j <= R//2 and out[j] = x[j] c[j] + x[j - R//2 - 1] s[j] after (cos, sin
+taken element-wise).
 With ``position_ids`` [1|B, T], cos and sin are tables [P, R] or [1, P, R] gathered in the
 kernel at those positions. cos and sin are constants (no gradient), as HF computes them.
 
@@ -36,9 +40,11 @@ from tigon.ops._internals import assert_on_device, launch
 
 
 @triton.jit
-def rope_load_heads(X, sxb, sxh, sxt, b, t, n_heads, half_rot, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                    INTERLEAVED: tl.constexpr):
-    """The two rotated parts [BLOCK_H, BLOCK_D] (fp32) of every head of token (b, t)."""
+def rope_load_heads(X, sxb, sxh, sxt, b, t, n_heads, n_first, n_second, BLOCK_H: tl.constexpr,
+                    BLOCK_D: tl.constexpr, INTERLEAVED: tl.constexpr, UNEQUAL: tl.constexpr):
+    """(x1, p1, x2) [BLOCK_H, BLOCK_D] (fp32) of every head of token (b, t): the rotated part is
+    two blocks, [0, n_first) and [n_first, R); x1 = x[d], p1 = x[n_second + d] (the partner of the
+    first block's d), x2 = x[n_first + d] (the second block). Equal blocks: p1 is x2."""
     h = tl.arange(0, BLOCK_H)
     base = X + b * sxb + t * sxt + h[:, None] * sxh
     if INTERLEAVED:
@@ -46,38 +52,45 @@ def rope_load_heads(X, sxb, sxh, sxt, b, t, n_heads, half_rot, BLOCK_H: tl.const
         # ran at a tenth of copy bandwidth on an H100 (123 ms against 12.4 ms a step of
         # torchtune's Llama-3.2-1B at batch 128 x 512).
         e = tl.arange(0, 2 * BLOCK_D)
-        x = tl.load(base + e[None, :], mask=(h[:, None] < n_heads) & (e[None, :] < 2 * half_rot), other=0.0)
+        x = tl.load(base + e[None, :], mask=(h[:, None] < n_heads) & (e[None, :] < 2 * n_first), other=0.0)
         x1, x2 = tl.split(tl.reshape(x.to(tl.float32), [BLOCK_H, BLOCK_D, 2]))
-        return x1, x2
+        return x1, x2, x2
     d = tl.arange(0, BLOCK_D)
-    mask = (h[:, None] < n_heads) & (d[None, :] < half_rot)
-    x1 = tl.load(base + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + half_rot + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    return x1, x2
+    first = (h[:, None] < n_heads) & (d[None, :] < n_first)
+    p1 = tl.load(base + n_second + d[None, :], mask=first, other=0.0).to(tl.float32)
+    if UNEQUAL:  # odd R: the blocks differ by one, x1 also partners the second block
+        second = (h[:, None] < n_heads) & (d[None, :] < n_second)
+        x1 = tl.load(base + d[None, :], mask=first | second, other=0.0).to(tl.float32)
+        x2 = tl.load(base + n_first + d[None, :], mask=second, other=0.0).to(tl.float32)
+    else:
+        x1 = tl.load(base + d[None, :], mask=first, other=0.0).to(tl.float32)
+        x2 = p1
+    return x1, p1, x2
 
 
 @triton.jit
 def rope_store_heads(
-    X, sxb, sxh, sxt, Y, syb, syh, syt, b, t, n_heads, head_dim, half_rot, x1, x2, c1, c2, s1, s2,
+    X, sxb, sxh, sxt, Y, syb, syh, syt, b, t, n_heads, head_dim, n_first, n_second, x1, p1, x2, c1, c2, s1, s2,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
-    """y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2; dims past the rotated part are copied from X."""
+    """y1 = x1 c1 - p1 s1 (first block), y2 = x2 c2 + x1 s2 (second block); dims past the
+    rotated part are copied from X."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    mask = (h[:, None] < n_heads) & (d[None, :] < half_rot)
     y_base = Y + b * syb + t * syt + h[:, None] * syh
-    y1 = x1 * c1[None, :] - x2 * s1[None, :]
+    y1 = x1 * c1[None, :] - p1 * s1[None, :]
     y2 = x2 * c2[None, :] + x1 * s2[None, :]
     if INTERLEAVED:  # pairs joined back in registers, one contiguous store (see rope_load_heads)
         e = tl.arange(0, 2 * BLOCK_D)
         y = tl.reshape(tl.join(y1, y2), [BLOCK_H, 2 * BLOCK_D])
         tl.store(y_base + e[None, :], y.to(Y.dtype.element_ty),
-                 mask=(h[:, None] < n_heads) & (e[None, :] < 2 * half_rot))
+                 mask=(h[:, None] < n_heads) & (e[None, :] < 2 * n_first))
     else:
-        tl.store(y_base + d[None, :], y1.to(Y.dtype.element_ty), mask=mask)
-        tl.store(y_base + half_rot + d[None, :], y2.to(Y.dtype.element_ty), mask=mask)
+        tl.store(y_base + d[None, :], y1.to(Y.dtype.element_ty), mask=(h[:, None] < n_heads) & (d[None, :] < n_first))
+        tl.store(y_base + n_first + d[None, :], y2.to(Y.dtype.element_ty),
+                 mask=(h[:, None] < n_heads) & (d[None, :] < n_second))
     if BLOCK_PASS > 0:
-        p = 2 * half_rot + tl.arange(0, BLOCK_PASS)
+        p = n_first + n_second + tl.arange(0, BLOCK_PASS)
         pass_mask = (h[:, None] < n_heads) & (p[None, :] < head_dim)
         x_base = X + b * sxb + t * sxt + h[:, None] * sxh
         tl.store(y_base + p[None, :], tl.load(x_base + p[None, :], mask=pass_mask), mask=pass_mask)
@@ -88,16 +101,21 @@ def rope_kernel(
     Q, sqb, sqh, sqt, K, skb, skh, skt,
     QO, sqob, sqoh, sqot, KO, skob, skoh, skot,
     COS, SIN, scb, sct, POS, spb, spt,
-    seq_len, n_q_heads, n_k_heads, head_dim, half_rot,
+    seq_len, n_q_heads, n_k_heads, head_dim, n_first, n_second,
     HAS_POS: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    INTERLEAVED: tl.constexpr = False,
+    INTERLEAVED: tl.constexpr = False, UNEQUAL: tl.constexpr = False,
 ):
     """One program per token (b, t): loads its cos/sin row once and rotates every q and k head.
     All loads are issued before the first store (the compiler may not move loads past stores).
 
-    The backward is the transpose: dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1, i.e. the
-    forward with (s1, s2) replaced by (-s2, -s1).
+    The R rotated dims are two blocks, [0, n_first) and [n_first, R): d of the first pairs with
+    n_second + d, n_first + d of the second with d. The forward has n_first = R - R//2 and
+    n_second = R//2 (HF's rotate_half: out[j] = x[j] c[j] - x[j + R//2] s[j] for j < R - R//2,
+    x[j] c[j] + x[j - (R - R//2)] s[j] after), equal halves for an even R. The backward is the
+    transpose: the same pairing with the blocks' lengths swapped, sin read at the partner's index
+    and negated (for equal halves: dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1). Interleaved:
+    n_first = n_second = R/2 pairs, one angle each.
     """
     pid = tl.program_id(0).to(tl.int64)
     b = pid // seq_len
@@ -108,23 +126,38 @@ def rope_kernel(
     else:
         cs_offset = b * scb + t * sct
     d = tl.arange(0, BLOCK_D)
-    dm = d < half_rot
-    c1 = tl.load(COS + cs_offset + d, mask=dm, other=0.0).to(tl.float32)
-    s1 = tl.load(SIN + cs_offset + d, mask=dm, other=0.0).to(tl.float32)
+    dm1 = d < n_first
+    if UNEQUAL:
+        dm2 = d < n_second
+        dm_both = dm1 | dm2
+    else:  # equal halves: one length, one mask (the code of the even case)
+        n_second = n_first
+        dm2 = dm1
+        dm_both = dm1
+    c1 = tl.load(COS + cs_offset + d, mask=dm1, other=0.0).to(tl.float32)
+    s_own = tl.load(SIN + cs_offset + d, mask=dm_both, other=0.0).to(tl.float32)
     if INTERLEAVED:  # one angle per pair
         c2 = c1
-        s2 = s1
+        s1 = s_own
+        s2 = s_own
     else:
-        c2 = tl.load(COS + cs_offset + half_rot + d, mask=dm, other=0.0).to(tl.float32)
-        s2 = tl.load(SIN + cs_offset + half_rot + d, mask=dm, other=0.0).to(tl.float32)
+        c2 = tl.load(COS + cs_offset + n_first + d, mask=dm2, other=0.0).to(tl.float32)
+        if BACKWARD:  # the partner's sin
+            s1 = tl.load(SIN + cs_offset + n_second + d, mask=dm1, other=0.0).to(tl.float32)
+            s2 = s_own
+        else:
+            s1 = s_own
+            s2 = tl.load(SIN + cs_offset + n_first + d, mask=dm2, other=0.0).to(tl.float32)
     if BACKWARD:
-        s1, s2 = -s2, -s1
-    q1, q2 = rope_load_heads(Q, sqb, sqh, sqt, b, t, n_q_heads, half_rot, BLOCK_HQ, BLOCK_D, INTERLEAVED)
-    k1, k2 = rope_load_heads(K, skb, skh, skt, b, t, n_k_heads, half_rot, BLOCK_HK, BLOCK_D, INTERLEAVED)
-    rope_store_heads(Q, sqb, sqh, sqt, QO, sqob, sqoh, sqot, b, t, n_q_heads, head_dim, half_rot,
-                     q1, q2, c1, c2, s1, s2, BLOCK_HQ, BLOCK_D, BLOCK_PASS, INTERLEAVED)
-    rope_store_heads(K, skb, skh, skt, KO, skob, skoh, skot, b, t, n_k_heads, head_dim, half_rot,
-                     k1, k2, c1, c2, s1, s2, BLOCK_HK, BLOCK_D, BLOCK_PASS, INTERLEAVED)
+        s1, s2 = -s1, -s2
+    q1, qp, q2 = rope_load_heads(Q, sqb, sqh, sqt, b, t, n_q_heads, n_first, n_second, BLOCK_HQ, BLOCK_D,
+                                 INTERLEAVED, UNEQUAL)
+    k1, kp, k2 = rope_load_heads(K, skb, skh, skt, b, t, n_k_heads, n_first, n_second, BLOCK_HK, BLOCK_D,
+                                 INTERLEAVED, UNEQUAL)
+    rope_store_heads(Q, sqb, sqh, sqt, QO, sqob, sqoh, sqot, b, t, n_q_heads, head_dim, n_first, n_second,
+                     q1, qp, q2, c1, c2, s1, s2, BLOCK_HQ, BLOCK_D, BLOCK_PASS, INTERLEAVED)
+    rope_store_heads(K, skb, skh, skt, KO, skob, skoh, skot, b, t, n_k_heads, head_dim, n_first, n_second,
+                     k1, kp, k2, c1, c2, s1, s2, BLOCK_HK, BLOCK_D, BLOCK_PASS, INTERLEAVED)
 
 
 def _bhtd_strides(x, unsqueeze_dim):
@@ -163,8 +196,11 @@ def rope_apply(q, k, cos, sin, position_ids, unsqueeze_dim, backward, num_warps=
         spt = pos.stride(1)
     else:
         pos, spb, spt = cos3, 0, 0
+    # The two blocks of the rotated dims (see rope_kernel): R - R//2 and R//2 long in the
+    # forward, swapped in the backward; R/2 pairs when interleaved.
     half_rot = rot // 2
-    block_d = next_pow2(half_rot)
+    n_first, n_second = (half_rot, rot - half_rot) if backward else (rot - half_rot, half_rot)
+    block_d = next_pow2(max(n_first, n_second))
     n_pass = head_dim - rot
     block_pass = next_pow2(n_pass) if n_pass > 0 else 0
     n_tokens = batch * seq_len
@@ -173,10 +209,10 @@ def rope_apply(q, k, cos, sin, position_ids, unsqueeze_dim, backward, num_warps=
             q, *_bhtd_strides(q, unsqueeze_dim), k, *_bhtd_strides(k, unsqueeze_dim),
             q_out, *_bhtd_strides(q_out, unsqueeze_dim), k_out, *_bhtd_strides(k_out, unsqueeze_dim),
             cos3, sin3, scb, sct, pos, spb, spt,
-            seq_len, n_q_heads, n_k_heads, head_dim, half_rot,
+            seq_len, n_q_heads, n_k_heads, head_dim, n_first, n_second,
             HAS_POS=position_ids is not None, BACKWARD=backward,
             BLOCK_HQ=next_pow2(n_q_heads), BLOCK_HK=next_pow2(n_k_heads),
-            BLOCK_D=block_d, BLOCK_PASS=block_pass, INTERLEAVED=interleaved,
+            BLOCK_D=block_d, BLOCK_PASS=block_pass, INTERLEAVED=interleaved, UNEQUAL=n_first != n_second,
             # H100, bf16: 4 warps for up to 2K elements a token, else 8 (83-88% of copy bandwidth).
             num_warps=num_warps or (4 if (n_q_heads + n_k_heads) * head_dim <= 2048 else 8),
         )
@@ -246,8 +282,13 @@ def check_rope_args(q, k, cos, sin, position_ids, unsqueeze_dim, interleaved=Fal
     if interleaved and (rot > head_dim or rot == 0):
         raise ValueError(f"with interleaved=True cos holds one angle per rotated pair: its last dim "
                          f"{cos.shape[-1]} must be non-zero and at most half the head dim {head_dim}")
-    if rot % 2 or rot > head_dim or rot == 0:
-        raise ValueError(f"cos's last dim {rot} must be even, non-zero and at most the head dim {head_dim}")
+    if rot > head_dim:
+        raise ValueError(f"cos's last dim {rot} is more than the head dim {head_dim}: HF's q * cos does not "
+                         "broadcast (a rotary embedding built for an odd head dim D gives D + 1 angles: rotate "
+                         "at most D dims)")
+    if rot == 0 or (rot == 1 and head_dim > 1):
+        raise ValueError(f"cos's last dim {rot} must be at least 2 (or the head dim): a cos of width 1 "
+                         "broadcasts over the head in HF's Llama formula but rotates one dim in Phi-3's")
     cos_batch = cos.shape[-3] if cos.ndim >= 3 else 1
     if position_ids is None:
         if cos.shape[-2] != seq_len:
