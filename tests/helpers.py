@@ -200,6 +200,45 @@ def recording_backend():
     return ops, backend
 
 
+def launches_take_turns(monkeypatch, module):
+    """Triton's interpreter is not thread-safe: ``module``'s kernel launches take turns under a lock
+    (everything else runs concurrently)."""
+    import threading
+
+    lock = threading.Lock()
+    unlocked = module.launch
+
+    def launch(*args, **kwargs):
+        with lock:
+            return unlocked(*args, **kwargs)
+
+    monkeypatch.setattr(module, "launch", launch)
+
+
+def run_in_threads(target, barriers=(), n=2):
+    """target(i) for i in range(n), each in a thread of its own; re-raises what one raised (after
+    aborting ``barriers``, so that the other threads stop waiting at them)."""
+    import threading
+
+    errors = []
+
+    def run(i):
+        try:
+            target(i)
+        except BaseException as e:  # noqa: BLE001 -- re-raised by the calling thread
+            errors.append(e)
+            for barrier in barriers:
+                barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
 # ---- several ranks (torch.distributed) ----
 
 def run_on_ranks(cases_of, world: int = 2, timeout_s: int = 300) -> list[dict]:

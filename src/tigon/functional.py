@@ -30,7 +30,7 @@ from tigon.ops.moe_experts import moe_experts as _moe_experts
 from tigon.ops.poly_norm import poly_norm_op
 from tigon.ops.relu_squared import relu_squared_op
 from tigon.ops.relu_squared_mlp import relu_squared_mlp as _relu_squared_mlp
-from tigon.ops.rms_norm import check_casting
+from tigon.ops.rms_norm import check_casting, warn_inplace_ignored
 from tigon.ops.rope import check_constant_tables, check_unsqueeze_dim, rope_op
 from tigon.ops.softmax import over_dim, softmax_op
 from tigon.ops.sparsemax import sparsemax_op
@@ -46,19 +46,21 @@ def rms_norm(x, weight, eps=1e-6, offset=0.0, casting="llama", inplace=False) ->
     """RMSNorm of x [..., N] with weight [N] or None (no scaling); casting "llama", "gemma" or
     "none" (see ``tigon.ops.rms_norm``).
 
-    ``offset=1.0`` with ``casting="gemma"`` is Gemma's ``(1 + weight)``. ``inplace`` lets the
-    backward write dx over the incoming gradient (saves one buffer; the gradient must not be
-    needed elsewhere).
+    ``offset=1.0`` with ``casting="gemma"`` is Gemma's ``(1 + weight)``. ``inplace`` is deprecated
+    and ignored (True warns): the backward always writes dx into a new buffer, since the incoming
+    gradient may be shared (see ``tigon.ops.rms_norm``).
     """
     check_casting(casting)  # before the op: its schema would refuse a non-str with a vaguer error
-    return rms_norm_op(x, weight, float(eps), float(offset), casting, bool(inplace))[0]
+    warn_inplace_ignored(inplace, "rms_norm")
+    return rms_norm_op(x, weight, float(eps), float(offset), casting)[0]
 
 
 def fused_add_rms_norm(x, residual, weight, eps=1e-6, offset=0.0, casting="llama", inplace=False):
     """(rms_norm(x + residual), x + residual) in one pass; x, residual [..., N], weight [N] or
-    None. ``inplace`` as in ``rms_norm``."""
+    None. ``inplace``: deprecated and ignored, as in ``rms_norm``."""
     check_casting(casting)
-    y, s, _ = fused_add_rms_norm_op(x, residual, weight, float(eps), float(offset), casting, bool(inplace))
+    warn_inplace_ignored(inplace, "fused_add_rms_norm")
+    y, s, _ = fused_add_rms_norm_op(x, residual, weight, float(eps), float(offset), casting)
     return y, s
 
 
@@ -94,7 +96,8 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, int
     """HF's ``apply_rotary_pos_emb`` in one kernel: returns (q_embed, k_embed).
 
     q [B, Hq, T, D], k [B, Hk, T, D] (or [B, T, H, D] with unsqueeze_dim=2); cos, sin
-    [1|B, T, R] (R <= D, even). With position_ids [1|B, T], cos / sin are tables [P, R].
+    [1|B, T, R] (2 <= R <= D, or R = D = 1; an odd R split as HF's rotate_half splits it, x[:R//2]
+    and x[R//2:]). With position_ids [1|B, T], cos / sin are tables [P, R].
     ``interleaved=True``: adjacent pairs (x[2j], x[2j+1]) rotate together (torchtune's layout)
     and cos / sin hold one angle per pair, [.., R/2].
     """

@@ -1,9 +1,10 @@
 """Backward over a retained graph: k backwards give exactly k times one backward's gradient, for
 the chunked losses (whose gradients are formed in the forward and saved) and for the linear-head
-row ops they are built on; 0.5 * loss gives exactly half."""
+row ops they are built on; 0.5 * loss gives exactly half; no backward reads a value on the host."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.helpers import DEVICE, randn
 from tigon import functional as TF
@@ -117,3 +118,45 @@ def test_scaled_loss_gives_scaled_gradient(name):
     half.backward()
     for i, (t, g) in enumerate(zip(leaves, single)):
         assert torch.equal(t.grad, g * 0.5 + g * 0.5), f"{name}: leaf {i} of two backwards of 0.5 * loss"
+
+
+# The aten ops that read a tensor's values on the host: on the GPU each waits for the device
+# (item(), bool(), float() and int() reach _local_scalar_dense; nonzero and masked_select size
+# their output from the data; equal answers a Python bool).
+HOST_READS = {torch.ops.aten._local_scalar_dense, torch.ops.aten.equal, torch.ops.aten.is_nonzero,
+              torch.ops.aten.nonzero, torch.ops.aten.masked_select, torch.ops.aten._unique2,
+              torch.ops.aten.unique_consecutive, torch.ops.aten.unique_dim}
+
+
+class HostReads(TorchDispatchMode):
+    """Records, while active, every op of HOST_READS that runs (the CPU stand-in for
+    torch.cuda.set_sync_debug_mode, which sees CUDA syncs only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in HOST_READS:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_backward_reads_no_value_on_the_host(name):
+    """The saved gradients are scaled by grad_output on the device, whatever its value (1 from
+    loss.backward(), 0.5, or a retained graph's backward): no host read, so the host keeps
+    queueing the backward's kernels while the device works. The gradients stay exact."""
+    fn, leaves = case(name)
+    first(fn()).backward()
+    single = [t.grad.clone() for t in leaves]
+    for scale, retain in ((1.0, False), (0.5, False), (1.0, True), (0.25, True)):
+        for t in leaves:
+            t.grad = None
+        loss = first(fn())
+        out = loss if scale == 1.0 else scale * loss
+        with HostReads() as reads:
+            out.backward(retain_graph=retain)
+        assert reads.seen == [], f"{name}: the backward (x{scale}, retain_graph={retain}) read {reads.seen}"
+        for i, (t, g) in enumerate(zip(leaves, single)):
+            assert torch.equal(t.grad, g * scale), f"{name}: leaf {i} of the backward x{scale}, retain_graph={retain}"

@@ -93,12 +93,6 @@ def test_rms_norm_module_bad_options():
         TigonRMSNorm(HIDDEN, in_place=True)  # the option is called inplace
 
 
-def test_rms_norm_module_inplace():
-    ours = TigonRMSNorm(HIDDEN, eps=1e-5, inplace=True).to(DEVICE)
-    x = randn((*TOKENS, HIDDEN), torch.float32, requires_grad=True)
-    check_module(ours, modeling_llama.LlamaRMSNorm(HIDDEN, eps=1e-5), [x], dtype=torch.float32)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("options", [dict(elementwise_affine=False), dict(bias=False)])
 def test_layer_norm_module_without_parameters_matches_torch(dtype, options):

@@ -1,9 +1,12 @@
+import warnings
+
 import pytest
 import torch
 
-from tests.helpers import DTYPES, check_op, pick, randn
+from tests.helpers import DTYPES, check_op, pick, randn, rel_err
 from tests.ops.test_rms_norm import ref_rms_norm
 from tigon import functional as TF
+from tigon.nn import TigonFusedAddRMSNorm
 
 SHAPES = pick(cpu=[(3, 5, 33), (200, 24)], gpu=[(4, 2048, 4096), (3001, 8189)])
 
@@ -47,34 +50,57 @@ def test_fused_add_rms_norm_only_normed_output_used():
              lambda x, r, w: ref_fused_add_rms_norm(x, r, w)[0], [x, r, w], dtype=torch.float32)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_add_rms_norm_inplace_backward(dtype):
-    x = randn((9, 50), dtype, requires_grad=True)
-    r = randn((9, 50), dtype, requires_grad=True)
-    w = randn((50,), dtype, shift=1.0, requires_grad=True)
-    check_op(lambda x, r, w: TF.fused_add_rms_norm(x, r, w, inplace=True), ref_fused_add_rms_norm, [x, r, w],
-             dtype=dtype)
+def test_fused_add_rms_norm_inplace_leaves_a_shared_gradient_alone():
+    """y + 3 z hands the caller's cotangent to the norm and to z's node (made first, run after the
+    norm's); s gets its own. inplace=True (deprecated) must not write the input gradient over
+    it: every gradient is torch's and the caller's tensors are unchanged."""
+    x, r, z = (randn((6, 40), torch.float32, requires_grad=True) for _ in range(3))
+    w = randn((40,), torch.float32, shift=1.0, requires_grad=True)
+    gy, gs = randn((6, 40), torch.float32), randn((6, 40), torch.float32)
+    kept = gy.clone(), gs.clone()
+
+    def gradients(fn, x, r, w, z):
+        zz = z * 3.0
+        y, s = fn(x, r, w)
+        return torch.autograd.grad((y + zz, s), (x, r, w, z), (gy.to(x.dtype), gs.to(x.dtype)))
+
+    want = gradients(ref_fused_add_rms_norm, *(t.detach().double().requires_grad_() for t in (x, r, w, z)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        got = gradients(lambda x, r, w: TF.fused_add_rms_norm(x, r, w, inplace=True), x, r, w, z)
+    for name, a, b in zip(("x", "residual", "weight", "z"), got, want):
+        assert rel_err(a, b) < 1e-5, f"the gradient of {name}"
+    assert torch.equal(gy, kept[0]) and torch.equal(gs, kept[1])
 
 
-@pytest.mark.parametrize("options", [{}, {"inplace": True}])
-def test_fused_add_rms_norm_zero_stride_inputs(options):
+def test_fused_add_rms_norm_inplace_is_deprecated():
+    x, r = randn((3, 16), torch.float32), randn((3, 16), torch.float32)
+    w = randn((16,), torch.float32, shift=1.0)
+    with pytest.warns(FutureWarning, match="inplace=True is deprecated and ignored"):
+        y, s = TF.fused_add_rms_norm(x, r, w, inplace=True)
+    want = TF.fused_add_rms_norm(x, r, w)
+    assert torch.equal(y, want[0]) and torch.equal(s, want[1])
+    with pytest.warns(FutureWarning, match="inplace=True is deprecated and ignored"):
+        TigonFusedAddRMSNorm(16, inplace=True)
+
+
+def test_fused_add_rms_norm_zero_stride_inputs():
     """x and residual expanded from [1, N] leaves, the weight from a scalar: torch's values and
     gradients (both outputs used)."""
     xb = randn((1, 29), torch.float32, requires_grad=True)
     rb = randn((1, 29), torch.float32, requires_grad=True)
     scale = randn((), torch.float32, shift=1.0, requires_grad=True)
-    check_op(lambda xb, rb, s: TF.fused_add_rms_norm(xb.expand(6, 29), rb.expand(6, 29), s.expand(29), **options),
+    check_op(lambda xb, rb, s: TF.fused_add_rms_norm(xb.expand(6, 29), rb.expand(6, 29), s.expand(29)),
              lambda xb, rb, s: ref_fused_add_rms_norm(xb.expand(6, 29), rb.expand(6, 29), s.expand(29)),
              [xb, rb, scale], dtype=torch.float32)
 
 
-@pytest.mark.parametrize("inplace", [False, True])
-def test_fused_add_rms_norm_second_backward_over_retained_graph(inplace):
+def test_fused_add_rms_norm_second_backward_over_retained_graph():
     x = randn((7, 48), torch.float32, requires_grad=True)
     r = randn((7, 48), torch.float32, requires_grad=True)
     w = randn((48,), torch.float32, shift=1.0, requires_grad=True)
     c1, c2 = randn((7, 48), torch.float32), randn((7, 48), torch.float32)
-    y, s = TF.fused_add_rms_norm(x, r, w, inplace=inplace)
+    y, s = TF.fused_add_rms_norm(x, r, w)
     loss = 0.5 * ((y * c1).sum() + (s * c2).sum())
     loss.backward(retain_graph=True)
     once = [t.grad.clone() for t in (x, r, w)]

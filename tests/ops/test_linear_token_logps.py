@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tests.helpers import DEVICE, DTYPES, check_op, pick, randn
+from tests.helpers import DEVICE, DTYPES, check_op, launches_take_turns, pick, randn, run_in_threads
 from tests.ops.test_cross_entropy import make_target
 from tigon import functional as TF
 
@@ -157,3 +157,75 @@ def test_head_gradients_accumulate_in_the_matmul(dtype):
     torch.testing.assert_close(acc.get(w), ref_w, rtol=tol, atol=tol)
     torch.testing.assert_close(acc.get(b), ref_b, rtol=tol, atol=tol)
     torch.testing.assert_close(w2.grad, ref_w, rtol=tol, atol=tol)
+
+
+def head_case(n=7, h=16, v=131):
+    """A head (weight, bias) and three batches of rows for it."""
+    w = randn((v, h), torch.float32, scale=0.5, requires_grad=True)
+    b = randn((v,), torch.float32, scale=0.5, requires_grad=True)
+    batches = [(randn((n, h), torch.float32), make_target(n, v, "some")) for _ in range(3)]
+    return w, b, batches
+
+
+def head_grads_alone(w, b, x, target):
+    """(dW, db) of sum(linear_token_logps) with no block open."""
+    return torch.autograd.grad(TF.linear_token_logps(x, w, target, b).sum(), (w, b))
+
+
+def test_head_gradient_blocks_bind_each_op_call_at_its_forward():
+    """An op call adds its head gradients into the block that was open (in its thread) when its
+    forward ran: two blocks over one weight, both forwards run before either backward and the
+    first block left while the second is open, each get their own call's gradients. A call made
+    before any block returns its gradients though its backward runs inside one, and so does a
+    call whose backward runs after its block was left."""
+    from tigon.ops.linear_token_logps import accumulate_head_grads
+
+    w, b, batches = head_case()
+    want = [head_grads_alone(w, b, x, t) for x, t in batches]
+    (xa, ta), (xb, tb), (xc, tc) = batches
+    outside = TF.linear_token_logps(xc, w, tc, b).sum()
+    block_a = accumulate_head_grads(w, b)
+    acc_a = block_a.__enter__()
+    loss_a = TF.linear_token_logps(xa, w, ta, b).sum()
+    block_b = accumulate_head_grads(w, b)
+    acc_b = block_b.__enter__()
+    loss_b = TF.linear_token_logps(xb, w, tb, b).sum()
+    block_a.__exit__(None, None, None)  # left first: block b stays open
+    assert torch.autograd.grad(loss_b, (w, b), allow_unused=True) == (None, None)
+    got_c = torch.autograd.grad(outside, (w, b))
+    block_b.__exit__(None, None, None)
+    got_a = torch.autograd.grad(loss_a, (w, b))
+    assert acc_a.get(w) is None and acc_a.get(b) is None
+    for got, ref in ((got_a, want[0]), ((acc_b.get(w), acc_b.get(b)), want[1]), (got_c, want[2])):
+        for g, r in zip(got, ref):
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+
+
+def test_head_gradient_blocks_of_two_threads_over_one_weight(monkeypatch):
+    """Two threads each open a block over the same weight and bias, run a forward, and only then
+    (both blocks open) the backward: each block gets its own thread's gradients. The Triton
+    interpreter is not thread-safe, so kernel launches take turns (the blocks still overlap)."""
+    import threading
+
+    import tigon.ops.cross_entropy as ce
+    from tigon.ops.linear_token_logps import accumulate_head_grads
+
+    launches_take_turns(monkeypatch, ce)
+    w, b, batches = head_case()
+    want = [head_grads_alone(w, b, x, t) for x, t in batches[:2]]
+    both_open, both_done = threading.Barrier(2, timeout=60), threading.Barrier(2, timeout=60)
+    got = [None, None]
+
+    def run(i):
+        x, t = batches[i]
+        with accumulate_head_grads(w, b) as acc:
+            loss = TF.linear_token_logps(x, w, t, b).sum()
+            both_open.wait()
+            assert torch.autograd.grad(loss, (w, b), allow_unused=True) == (None, None)
+            both_done.wait()
+        got[i] = (acc.get(w), acc.get(b))
+
+    run_in_threads(run, barriers=(both_open, both_done))
+    for i in range(2):
+        for g, r in zip(got[i], want[i]):
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)

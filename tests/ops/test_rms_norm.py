@@ -1,8 +1,11 @@
+import warnings
+
 import pytest
 import torch
 
 from tests.helpers import DEVICE, DTYPES, ON_GPU, check_op, pick, randn, rel_err, up
 from tigon import functional as TF
+from tigon.nn import TigonRMSNorm
 
 SHAPES = pick(
     cpu=[(2, 3, 33), (7, 128), (1, 1000), (257, 40)],
@@ -75,53 +78,68 @@ def test_rms_norm_without_weight(dtype, casting):
         TF.rms_norm(x, None, 1e-6, 1.0, casting)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_inplace_backward(dtype):
-    x = randn(pick((9, 50), (4096, 4096)), dtype, requires_grad=True)
-    w = randn(x.shape[-1:], dtype, shift=1.0, requires_grad=True)
-    check_op(lambda x, w: TF.rms_norm(x, w, inplace=True), ref_rms_norm, [x, w], dtype=dtype)
+def residual_add_gradients(norm, x, w, z, g):
+    """Gradients (x, w, z) of r + norm(x, w) with r = 3 z, under the cotangent g. The add hands one
+    tensor (g itself) to both summands' nodes; r's node, made before the norm's, runs after it."""
+    r = z * 3.0
+    return torch.autograd.grad(r + norm(x, w), (x, w, z), g)
 
 
-def test_rms_norm_inplace_writes_over_its_gradient_only_when_it_may():
-    """inplace=True writes dx over the incoming gradient: a dense one (the caller asked for it),
-    never one whose rows alias each other (stride 0, as y.sum() gives): that one is copied
-    first, the caller's tensor is left alone and the gradients are right."""
+def test_rms_norm_inplace_leaves_a_shared_gradient_alone():
+    """The incoming gradient is autograd's to share: out = r + rms_norm(x) (a residual add, as
+    after Gemma's and OLMo 2's post-norms) gives the same tensor, here the caller's own
+    grad_outputs, to the norm and to r. inplace=True (deprecated) must not write dx over it:
+    every gradient is torch's and the caller's cotangent is unchanged. An expanded cotangent
+    (stride 0, as y.sum() gives) is read where it lies, no copy written over."""
     x = randn((6, 40), torch.float32, requires_grad=True)
     w = randn((40,), torch.float32, shift=1.0, requires_grad=True)
-    row = randn((1, 40), torch.float32)
-    kept = row.clone()
-    dx, dw = torch.autograd.grad(TF.rms_norm(x, w, inplace=True), (x, w), row.expand(6, 40))
-    assert torch.equal(row, kept)
-    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    ref_dx, ref_dw = torch.autograd.grad(ref_rms_norm(x64, w64), (x64, w64), row.double().expand(6, 40))
-    assert rel_err(dx, ref_dx) < 1e-5 and rel_err(dw, ref_dw) < 1e-5
-    dense = randn((6, 40), torch.float32)
-    dx_dense, _ = torch.autograd.grad(TF.rms_norm(x, w, inplace=True), (x, w), dense)
-    assert dx_dense.data_ptr() == dense.data_ptr()
+    z = randn((6, 40), torch.float32, requires_grad=True)
+    x64, w64, z64 = (t.detach().double().requires_grad_() for t in (x, w, z))
+    for g in (randn((6, 40), torch.float32), randn((1, 40), torch.float32).expand(6, 40)):
+        kept = g.clone()
+        want = residual_add_gradients(ref_rms_norm, x64, w64, z64, g.double())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            got = residual_add_gradients(lambda x, w: TF.rms_norm(x, w, inplace=True), x, w, z, g)
+        for name, a, b in zip("xwz", got, want):
+            assert rel_err(a, b) < 1e-5, f"the gradient of {name}"
+        assert torch.equal(g, kept)
 
 
-@pytest.mark.parametrize("options", [{}, {"inplace": True}])
-def test_rms_norm_zero_stride_and_strided_inputs(options):
+def test_rms_norm_inplace_is_deprecated():
+    x = randn((3, 16), torch.float32, requires_grad=True)
+    w = randn((16,), torch.float32, shift=1.0)
+    with pytest.warns(FutureWarning, match="inplace=True is deprecated and ignored"):
+        y = TF.rms_norm(x, w, inplace=True)
+    torch.testing.assert_close(y, TF.rms_norm(x, w), rtol=0, atol=0)
+    with pytest.warns(FutureWarning, match="inplace=True is deprecated and ignored"):
+        TigonRMSNorm(16, inplace=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TF.rms_norm(x, w, inplace=False)
+        TigonRMSNorm(16)
+
+
+def test_rms_norm_zero_stride_and_strided_inputs():
     """x expanded from one row ([1, N] leaf), a weight expanded from a scalar, a strided weight:
     the values and the gradients of the leaves (summed over the expansion by autograd) are
     torch's (the kernels read the weight with unit stride: it is made contiguous first)."""
     base = randn((1, 37), torch.float32, requires_grad=True)
     scale = randn((), torch.float32, shift=1.0, requires_grad=True)
-    check_op(lambda b, s: TF.rms_norm(b.expand(5, 37), s.expand(37), **options),
+    check_op(lambda b, s: TF.rms_norm(b.expand(5, 37), s.expand(37)),
              lambda b, s: ref_rms_norm(b.expand(5, 37), s.expand(37)), [base, scale], dtype=torch.float32)
     wide = randn((74,), torch.float32, requires_grad=True)
     x = randn((5, 37), torch.float32, requires_grad=True)
-    check_op(lambda x, w: TF.rms_norm(x, w[::2], **options), lambda x, w: ref_rms_norm(x, w[::2]), [x, wide],
+    check_op(lambda x, w: TF.rms_norm(x, w[::2]), lambda x, w: ref_rms_norm(x, w[::2]), [x, wide],
              dtype=torch.float32)
 
 
-@pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("weight", [True, False])
-def test_rms_norm_second_backward_over_retained_graph(inplace, weight):
+def test_rms_norm_second_backward_over_retained_graph(weight):
     x = randn((7, 48), torch.float32, requires_grad=True)
     w = randn((48,), torch.float32, shift=1.0, requires_grad=True) if weight else None
     c = randn((7, 48), torch.float32)
-    loss = 0.5 * (TF.rms_norm(x, w, inplace=inplace) * c).sum()
+    loss = 0.5 * (TF.rms_norm(x, w) * c).sum()
     loss.backward(retain_graph=True)
     once = [t.grad.clone() for t in (x, w) if t is not None]
     loss.backward()

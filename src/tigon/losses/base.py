@@ -13,13 +13,14 @@ chunk, whose inputs are fresh leaves; with ``compiled=True`` the chunk_fn runs u
 is written once, in its own dtype; a shared input's gradient is summed over chunks in its
 dtype (fp32 for fp32 parameters; one rounding per chunk for bf16), a linear head's by the
 head op's dW matmul itself (``accumulate_head_grads``). The gradients are formed in
-the forward pass; the backward scales them by grad_output: in place, and hands them out, when
-the graph is freed after it; into new tensors when it is retained (they are read again by the
-next backward).
+the forward pass; the backward scales them by grad_output on the device (its value is never
+read on the host): in place, and hands them out, when the graph is freed after it (a scale of
+exactly 1, ``loss.backward()``, then costs a kernel launch, not a pass); into new tensors when
+it is retained (they are read again by the next backward).
 
 Under torch.compile (the loss call, or a whole step, compiled by the user): dynamo cannot trace
-that Function (a backward pass inside its forward, autograd's private state and a host sync in
-its backward), so ``run_chunked`` takes ``checkpointed_chunks`` instead: each chunk's loss is a
+that Function (a backward pass inside its forward, autograd's private state in its backward),
+so ``run_chunked`` takes ``checkpointed_chunks`` instead: each chunk's loss is a
 non-reentrant torch.utils.checkpoint region, traced as one graph with the rest of the step
 (no graph break); AOTAutograd differentiates it and recomputes each chunk's forward in the
 backward, so no chunk's logits are kept between forward and backward. The same loss and
@@ -37,8 +38,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tigon.ops._common import capturing, chunk_budget_bytes, traced
+from tigon.ops._common import chunk_budget_bytes, interpreter_enabled, traced
 from tigon.ops._internals import graph_retained
+from tigon.ops.cross_entropy import scale_rows
 from tigon.ops.fused_linear_cross_entropy import chunk_rows_for_budget
 from tigon.ops.linear_token_logps import accumulate_head_grads
 
@@ -165,23 +167,29 @@ class ChunkedLossFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, *_grad_metrics):
         out = [None] * ctx.n_inputs
         # The saved gradients are handed to autograd (which may adopt one as .grad and add
-        # into it) only when this is the graph's last backward; otherwise scaled copies. Both
-        # probes (autograd's private state, a host sync) are eager-only: a traced backward
-        # (compiled autograd, make_fx) always scales into new tensors.
+        # into it) only when this is the graph's last backward; otherwise scaled copies. The
+        # probe of autograd's private state is eager-only: a traced backward (compiled
+        # autograd, make_fx) always scales into new tensors.
         retained = traced(grad_loss) or graph_retained()
-        one = not retained and _is_one(grad_loss)
         for i, g in zip(ctx.grad_index, ctx.saved_tensors):
-            if retained:
-                out[i] = (g * grad_loss).to(ctx.dtypes[i])
-            else:
-                out[i] = g if one else g.mul_(grad_loss)
+            out[i] = scale_saved_gradient(g, grad_loss, in_place=not retained)
         return (None, *out)
 
 
-def _is_one(t):
-    """grad_output == 1 (loss.backward()): the saved gradients need no scaling. A host sync,
-    except under CUDA-graph capture where it is skipped (and the scaling done)."""
-    return t.numel() == 1 and not capturing() and bool(t == 1)
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def scale_saved_gradient(g, grad_loss, in_place):
+    """g * grad_loss (one element) in g's dtype, grad_loss's value never read on the host (a host
+    read would stall the host until the device has run the whole forward): over g itself with
+    ``in_place``, else into a new tensor. A contiguous g that tigon's kernels take goes through
+    the scale kernel, which in place leaves g unread when the scale is exactly 1 (what
+    loss.backward() gives): a launch, no pass over a [V, H] gradient. Anything else (traced,
+    strided, float64, a device tigon's kernels do not run on): torch's multiply."""
+    if (not traced(g, grad_loss) and g.dtype in _KERNEL_DTYPES and g.is_contiguous()
+            and (g.is_cuda or (g.device.type == "cpu" and interpreter_enabled()))):
+        return scale_rows(g, grad_loss.reshape(1), out=g if in_place else torch.empty_like(g))
+    return g.mul_(grad_loss) if in_place else (g * grad_loss).to(g.dtype)
 
 
 def run_chunked(chunk_fn, chunked, shared, row_chunks, compiled=False):

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from tigon import functional as TF
-from tigon.ops.rms_norm import check_casting
+from tigon.ops.rms_norm import check_casting, warn_inplace_ignored
 
 
 class TigonRMSNorm(nn.Module):
@@ -15,13 +15,15 @@ class TigonRMSNorm(nn.Module):
     ``casting="llama"`` (LlamaRMSNorm, Mistral, Qwen, ...), ``"gemma"`` (fp32 throughout) or
     ``"none"`` (in x's dtype, as Liger's "none"); ``offset=1.0`` stores Gemma's weight as ``w``
     and applies ``1 + w`` (zero-initialised then). ``elementwise_affine=False``: no weight
-    (``self.weight`` is None), as torch's nn.RMSNorm.
+    (``self.weight`` is None), as torch's nn.RMSNorm. ``inplace`` is deprecated and ignored
+    (True warns; see ``tigon.functional.rms_norm``).
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, casting: str = "llama",
                  inplace: bool = False, elementwise_affine: bool = True, device=None, dtype=None):
         super().__init__()
         check_casting(casting)
+        warn_inplace_ignored(inplace, type(self).__name__)
         if elementwise_affine:
             init = torch.zeros if offset else torch.ones
             self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
@@ -30,14 +32,14 @@ class TigonRMSNorm(nn.Module):
         else:
             self.register_parameter("weight", None)
         self.hidden_size = hidden_size
-        self.eps, self.offset, self.casting, self.inplace = eps, offset, casting, inplace
+        self.eps, self.offset, self.casting = eps, offset, casting
 
     @property
     def variance_epsilon(self) -> float:  # HF's LlamaRMSNorm name for eps
         return self.eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return TF.rms_norm(x, self.weight, self.eps, self.offset, self.casting, self.inplace)
+        return TF.rms_norm(x, self.weight, self.eps, self.offset, self.casting)
 
     def extra_repr(self) -> str:
         affine = "" if self.weight is not None else ", elementwise_affine=False"
@@ -48,7 +50,7 @@ class TigonFusedAddRMSNorm(TigonRMSNorm):
     """``forward(x, residual) -> (rms_norm(x + residual), x + residual)`` in one kernel."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor):
-        return TF.fused_add_rms_norm(x, residual, self.weight, self.eps, self.offset, self.casting, self.inplace)
+        return TF.fused_add_rms_norm(x, residual, self.weight, self.eps, self.offset, self.casting)
 
 
 class TigonLayerNorm(nn.LayerNorm):

@@ -11,9 +11,9 @@ two matmuls (and a matrix-vector product for the bias) with the per-row grad_out
 the [N, H] operands, never into the [N, V] buffer:
     dx = -(G @ W) * g[:, None],   dW = -G^T @ (x * g[:, None]),   db = -G^T @ g.
 No extra kernel: the Triton work is cross_entropy_kernel's, and the backward is torch matmuls
-(traced as such by torch.compile). Inside ``accumulate_head_grads`` (the chunked losses' eager
-loop) the dW matmul adds into one accumulator across chunks instead of returning a [V, H]
-gradient per chunk.
+(traced as such by torch.compile). An op call made inside ``accumulate_head_grads`` (the chunked
+losses' eager loop) has its dW matmul add into the block's accumulator instead of returning a
+[V, H] gradient per chunk; the call binds the accumulator to its autograd node in the forward.
 
 The op is ``torch.ops.tigon.linear_token_logps`` (a torch.library custom op with its autograd
 registered; ``tigon.functional.linear_token_logps`` calls it). Like every custom op with a
@@ -24,6 +24,7 @@ torch.autograd, as the chunked losses do.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Optional
 
 import torch
@@ -81,15 +82,27 @@ def linear_head_logits(x, weight, bias):
     return logits
 
 
-# accumulate_head_grads' open slots, id(tensor) -> [tensor, accumulator or None]. Process-wide,
-# not per thread: autograd runs a CUDA backward on its device thread, not the caller's.
-_HEAD_GRAD_SLOTS: dict = {}
+class HeadGradSlot:
+    """One tensor's accumulator in one accumulate_head_grads block: ``grad`` (None until a
+    backward adds into it), ``open`` while the block is."""
+
+    __slots__ = ("tensor", "grad", "open")
+
+    def __init__(self, tensor):
+        self.tensor, self.grad, self.open = tensor, None, True
 
 
-def _slot_of(slots, t):
-    """t's slot in slots (keyed by id, the tensor itself checked), or None."""
-    slot = slots.get(id(t))
-    return slot if slot is not None and slot[0] is t else None
+class _OpenBlocks(threading.local):
+    """This thread's open accumulate_head_grads blocks, each a dict id(tensor) -> HeadGradSlot,
+    innermost last. Read by an op call's forward (setup_context runs in the caller's thread),
+    which binds the slot to its autograd node; the backward, wherever autograd runs it (a CUDA
+    backward runs on autograd's device thread), uses the slot bound there and looks nothing up."""
+
+    def __init__(self):
+        self.blocks = ()  # per thread from its first access (see tigon.ops._common.ThreadFlag)
+
+
+_OPEN_BLOCKS = _OpenBlocks()
 
 
 class HeadGradAccumulators:
@@ -99,41 +112,57 @@ class HeadGradAccumulators:
         self._slots = slots
 
     def get(self, t):
-        slot = _slot_of(self._slots, t)
-        return None if slot is None else slot[1]
+        slot = self._slots.get(id(t))
+        return slot.grad if slot is not None and slot.tensor is t else None
 
 
 @contextlib.contextmanager
 def accumulate_head_grads(*tensors):
-    """Within the block, the eager backward of a linear-head row op (linear_token_logps,
-    linear_jsd) whose weight or bias is one of ``tensors`` (the same tensor objects) adds that
-    gradient into one accumulator per tensor, in the tensor's dtype, and returns None for it.
+    """Within the block, a linear-head row op (linear_token_logps, linear_jsd) called in this
+    thread whose weight or bias is one of ``tensors`` (the same tensor objects) binds that
+    tensor's accumulator to its autograd node; its eager backward, run while the block is open,
+    adds that gradient into the accumulator, in the tensor's dtype, and returns None for it.
     The weight's is added by the dW matmul itself (beta = 1): a chunked loss then forms no
     [V, H] gradient per chunk and no separate add over it (three passes over the head's size per
-    chunk). Yields a HeadGradAccumulators. A traced backward (torch.compile) ignores it."""
-    slots = {id(t): [t, None] for t in tensors if t is not None}
-    before = {k: _HEAD_GRAD_SLOTS[k] for k in slots if k in _HEAD_GRAD_SLOTS}
-    _HEAD_GRAD_SLOTS.update(slots)
+    chunk). Yields a HeadGradAccumulators. Each block has its own accumulators: blocks of other
+    threads, or over the same tensor in this one (nested, or left in any order), never share
+    one; the innermost open block holding a tensor takes the calls made while it is open. A call
+    made outside the block, or whose backward runs after the block was left, returns its
+    gradients as usual; so does a traced forward or backward (torch.compile)."""
+    slots = {id(t): HeadGradSlot(t) for t in tensors if t is not None}
+    _OPEN_BLOCKS.blocks = (*_OPEN_BLOCKS.blocks, slots)
     try:
         yield HeadGradAccumulators(slots)
     finally:
-        for k in slots:
-            _HEAD_GRAD_SLOTS.pop(k, None)
-        _HEAD_GRAD_SLOTS.update(before)
+        _OPEN_BLOCKS.blocks = tuple(b for b in _OPEN_BLOCKS.blocks if b is not slots)
+        for slot in slots.values():
+            slot.open = False
 
 
-def _head_grad_slot(t):
-    """t's accumulate_head_grads slot, or None (none open for t, or tracing)."""
-    if not _HEAD_GRAD_SLOTS or t is None or torch.compiler.is_compiling():
+def head_grad_slot(t):
+    """For an op call's forward: t's slot in the innermost of this thread's open
+    accumulate_head_grads blocks that holds t, or None (none does, t is None, or tracing)."""
+    if t is None or torch.compiler.is_compiling() or not _OPEN_BLOCKS.blocks:
         return None
-    return _slot_of(_HEAD_GRAD_SLOTS, t)
+    for slots in reversed(_OPEN_BLOCKS.blocks):
+        slot = slots.get(id(t))
+        if slot is not None and slot.tensor is t:
+            return slot
+    return None
 
 
-def linear_head_backward(g_logits, x, weight, bias, row_grad, needs):
+def _open_slot(slot):
+    """slot if its block is still open and this backward is eager, else None."""
+    return slot if slot is not None and slot.open and not torch.compiler.is_compiling() else None
+
+
+def linear_head_backward(g_logits, x, weight, bias, row_grad, needs, slots=(None, None)):
     """Gradients (dx, dW, db) of sum_i row_grad[i] * f_i(x @ W^T + b) given G = d f_i / d logits
-    [N, V]: the per-row factor is applied to the [N, H] operands, never to G. dW and db are
-    None where an accumulate_head_grads slot took them."""
+    [N, V]: the per-row factor is applied to the [N, H] operands, never to G. ``slots``: the
+    weight's and the bias's HeadGradSlot bound by the op call's forward (or None); dW and db are
+    None where an open one took them."""
     need_x, need_w, need_b = needs
+    w_slot, b_slot = map(_open_slot, slots)
     r = row_grad.to(torch.float32)
     dx = dw = db = None
     if need_x:
@@ -141,19 +170,17 @@ def linear_head_backward(g_logits, x, weight, bias, row_grad, needs):
         dx = ((g_logits @ wc).float() * r[:, None]).to(x.dtype)
     if need_w:
         xr = (x.float() * r[:, None]).to(g_logits.dtype)
-        slot = _head_grad_slot(weight)
-        if slot is None:
+        if w_slot is None:
             dw = (g_logits.t() @ xr).to(weight.dtype)
         else:
-            first = slot[1] is None
+            first = w_slot.grad is None
             if first:
-                slot[1] = new_output(weight.shape, weight.dtype, weight.device)
-            accumulate_mm(slot[1], g_logits.t(), xr, first=first)
+                w_slot.grad = new_output(weight.shape, weight.dtype, weight.device)
+            accumulate_mm(w_slot.grad, g_logits.t(), xr, first=first)
     if need_b and bias is not None:
         db = (r.to(g_logits.dtype) @ g_logits).to(bias.dtype)
-        slot = _head_grad_slot(bias)
-        if slot is not None:
-            slot[1] = db if slot[1] is None else slot[1].add_(db)
+        if b_slot is not None:
+            b_slot.grad = db if b_slot.grad is None else b_slot.grad.add_(db)
             db = None
     return dx, dw, db
 
@@ -166,13 +193,15 @@ def fake_logit_grad(x, weight, compute_grad):
 def keep_logit_grad(ctx, inputs, output, compute_grad):
     """setup_context of a linear-head row op: inputs start with (x, weight, bias), output is
     (rows, G); x and G are saved, weight and bias kept (parameters: see the note in
-    tigon.ops._common)."""
+    tigon.ops._common), with their accumulate_head_grads slots if a block of this thread holds
+    them (bound here, in the forward: see _OpenBlocks)."""
     x, weight, bias = inputs[:3]
     _, grad_logits = output
     ctx.set_materialize_grads(False)  # G's gradient (never used) arrives as None
     ctx.mark_non_differentiable(grad_logits)
     ctx.save_for_backward(x, grad_logits)
     ctx.weight, ctx.bias = weight, bias
+    ctx.head_grad_slots = (head_grad_slot(weight), head_grad_slot(bias))
     ctx.compute_grad = compute_grad
     ctx.n_inputs = len(inputs)
 
@@ -184,7 +213,8 @@ def linear_head_rows_backward(ctx, row_grad, name):
     if not ctx.compute_grad:
         raise RuntimeError(f"{name} ran without a gradient (compute_grad=False) but one was asked for")
     x, g_logits = ctx.saved_tensors
-    grads = linear_head_backward(g_logits, x, ctx.weight, ctx.bias, row_grad, ctx.needs_input_grad[:3])
+    grads = linear_head_backward(g_logits, x, ctx.weight, ctx.bias, row_grad, ctx.needs_input_grad[:3],
+                                 ctx.head_grad_slots)
     return grads + (None,) * (ctx.n_inputs - 3)
 
 

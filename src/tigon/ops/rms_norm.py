@@ -15,11 +15,18 @@ Casting modes (``CASTING_MODES``), matching these torch references:
 
 ``weight=None`` (``elementwise_affine=False``): no scaling, output in x's dtype; offset must
 be 0. The kernels also serve the fused residual-add variant (``fused_add_rms_norm.py``).
+
+The backward writes dx into a new buffer, never over the incoming gradient dy: dy is autograd's,
+not the caller's nor tigon's, and autograd may hand the same tensor to other nodes (a residual
+add ``r + norm(x)`` gives one tensor to both summands; ``torch.autograd.grad(y, x, g)`` passes
+the caller's ``g``), and nothing public tells whether it did. The entries' ``inplace`` option,
+which wrote dx over dy, is deprecated and ignored (``warn_inplace_ignored``).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -110,8 +117,8 @@ def rms_norm_backward_kernel(
 ):
     """Persistent grid: each program walks row blocks pid, pid + G, ... and keeps its share
     of dW in fp32 registers, written once to DW_PARTIAL[pid] (summed on the host side), so
-    the weight gradient needs no atomics. DX may alias DY (in-place backward; rows must not
-    overlap). With HAS_DS the incoming gradient of the residual stream DS is added to dx."""
+    the weight gradient needs no atomics. With HAS_DS the incoming gradient of the residual
+    stream DS is added to dx."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
@@ -165,20 +172,15 @@ def rms_norm_forward(x2, weight, eps, offset, casting, residual2=None):
     return y, rstd, s
 
 
-def rms_norm_backward(dy2, x2, weight, rstd, offset, casting, compute_dw, inplace=False, ds2=None):
-    """Gradients of rms_norm_forward: (dx [M, N] in x's dtype, dw [N] or None).
+def rms_norm_backward(dy2, x2, weight, rstd, offset, casting, compute_dw, ds2=None):
+    """Gradients of rms_norm_forward: (dx [M, N] in x's dtype, a new buffer; dw [N] or None).
 
     x2 is the normalised input (the sum s for the fused-add variant); ds2 [M, N] is the
-    gradient arriving on s directly, added to dx. inplace writes dx over dy2 when it is of
-    x's dtype (dy2 comes from as_rows: a self-overlapping gradient, such as the stride-0 one of
-    y.sum(), has been copied there), else into a new buffer.
+    gradient arriving on s directly, added to dx.
     """
     n_rows, n_cols = x2.shape
     block_m, block_n, num_warps, per_sm = row_block_config(n_cols, backward=True)
-    if inplace and dy2.dtype == x2.dtype and dy2.stride(-1) == 1:
-        dx = dy2
-    else:
-        dx = new_output((n_rows, n_cols), x2.dtype, x2.device)
+    dx = new_output((n_rows, n_cols), x2.dtype, x2.device)
     compute_dw = compute_dw and weight is not None
     n_programs = persistent_programs(x2.device, cdiv(n_rows, block_m), per_sm)
     dw_partial = new_output((n_programs, n_cols), torch.float32, x2.device) if compute_dw else None
@@ -221,6 +223,16 @@ def check_norm_args(x, weight, casting, offset, **others):
     return contiguous_or_none(weight)
 
 
+def warn_inplace_ignored(inplace, what: str) -> None:
+    """The norm entries' (functional, nn) deprecated ``inplace``: True warns that it is ignored."""
+    if inplace:
+        warnings.warn(
+            f"{what}: inplace=True is deprecated and ignored. It let the backward write dx over the incoming "
+            "gradient, which autograd may share with other nodes (a residual add hands one tensor to both "
+            "summands) or which may be the caller's own grad_outputs, so it could corrupt other gradients; "
+            "the backward now always writes a new buffer. Drop the argument.", FutureWarning, stacklevel=3)
+
+
 # ---- custom ops: torch.ops.tigon.rms_norm and its backward ----
 #
 # Every op is a torch.library custom op (opaque to torch.compile: its fake implementation gives
@@ -235,16 +247,15 @@ def _rms_norm_out_dtype(x, weight, casting):
 
 
 @kernel_op("tigon::rms_norm", mutates_args=())
-def rms_norm_op(x: Tensor, weight: Optional[Tensor], eps: float, offset: float, casting: str,
-                inplace: bool) -> tuple[Tensor, Tensor]:
-    """(y [..., N], rstd fp32 [rows]) of x [..., N]. ``inplace``: the backward writes dx over dy."""
+def rms_norm_op(x: Tensor, weight: Optional[Tensor], eps: float, offset: float, casting: str) -> tuple[Tensor, Tensor]:
+    """(y [..., N], rstd fp32 [rows]) of x [..., N]."""
     weight = check_norm_args(x, weight, casting, offset)
     y, rstd, _ = rms_norm_forward(as_rows(x), weight, eps, offset, casting)
     return y.view(x.shape[:-1] + y.shape[-1:]), rstd
 
 
 @rms_norm_op.register_fake
-def _(x, weight, eps, offset, casting, inplace):
+def _(x, weight, eps, offset, casting):
     check_norm_args(x, weight, casting, offset)
     return x.new_empty(x.shape, dtype=_rms_norm_out_dtype(x, weight, casting)), \
         x.new_empty(math.prod(x.shape[:-1]), dtype=torch.float32)
@@ -265,47 +276,29 @@ def _(dy, x, weight, rstd, offset, casting, compute_dw, ds):
     return torch.empty_like(x, memory_format=torch.contiguous_format), fake_grad(weight, compute_dw, x)
 
 
-@kernel_op("tigon::rms_norm_backward_", mutates_args=("dy",))
-def rms_norm_backward_inplace_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, offset: float,
-                                 casting: str, compute_dw: bool, ds: Optional[Tensor]) -> Tensor:
-    """rms_norm_backward with dx written over dy (contiguous, x's dtype); returns dw or empty."""
-    _, dw = rms_norm_backward(dy.view(-1, dy.shape[-1]), as_rows(x), contiguous_or_none(weight), rstd, offset, casting,
-                              compute_dw, inplace=True, ds2=None if ds is None else as_rows(ds))
-    return or_empty(dw, x)
-
-
-@rms_norm_backward_inplace_op.register_fake
-def _(dy, x, weight, rstd, offset, casting, compute_dw, ds):
-    return fake_grad(weight, compute_dw, x)
-
-
 def rms_norm_gradients(ctx, dy, x, rstd, ds=None):
-    """(dx, dw or None) of the norm saved in ctx (weight, offset, casting, inplace), for the
-    backward of rms_norm and of the fused residual-add variant (x is then the sum)."""
+    """(dx, dw or None) of the norm saved in ctx (weight, offset, casting), for the backward of
+    rms_norm and of the fused residual-add variant (x is then the sum)."""
     weight = ctx.weight
     compute_dw = weight is not None and ctx.needs_weight_grad
-    if ctx.inplace and dy.dtype == x.dtype and dy.is_contiguous() and dy.shape == x.shape:
-        dw = rms_norm_backward_inplace_op(dy, x, weight, rstd, ctx.offset, ctx.casting, compute_dw, ds)
-        dx = dy
-    else:
-        dx, dw = rms_norm_backward_op(dy, x, weight, rstd, ctx.offset, ctx.casting, compute_dw, ds)
+    dx, dw = rms_norm_backward_op(dy, x, weight, rstd, ctx.offset, ctx.casting, compute_dw, ds)
     return dx, dw if compute_dw else None
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, _, offset, casting, inplace = inputs
+    x, weight, _, offset, casting = inputs
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
     ctx.save_for_backward(x, output[1])
     ctx.mark_non_differentiable(output[1])
     ctx.weight = weight  # a parameter: kept, not saved (see the note in tigon.ops._common)
-    ctx.offset, ctx.casting, ctx.inplace = offset, casting, inplace
+    ctx.offset, ctx.casting = offset, casting
     ctx.needs_weight_grad = ctx.needs_input_grad[1]
 
 
 def _backward(ctx, dy, _drstd):
     x, rstd = ctx.saved_tensors
     dx, dw = rms_norm_gradients(ctx, dy, x, rstd)
-    return dx, dw, None, None, None, None
+    return dx, dw, None, None, None
 
 
 rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
