@@ -8,8 +8,10 @@ it before tigon, and so triton, is imported.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
+import time
 
 
 def _cuda_available() -> bool:
@@ -55,108 +57,224 @@ def env_report() -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    from tigon import __version__
-    from tigon.bench.ops import OP_NAMES, unknown_op_error
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line on stderr ("tigon plan: error: argument --seq: ..."),
+    without the usage block; exit status 2."""
 
-    parser = argparse.ArgumentParser(prog="tigon", description="Fused Triton kernels for LLM training.")
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class BadArgument(Exception):
+    """A command-line argument found bad after parsing (a model that gives no config, options
+    that do not go together): main reports it as argparse reports a bad value, exit status 2."""
+
+    def __init__(self, argument: str, message: str):
+        super().__init__(f"argument {argument}: {message}")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _memory_size(text: str) -> int:
+    from tigon.planner import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive size such as 80GiB, 80GB or 85899345920 (bytes), "
+                                         f"got {text!r}") from None
+
+
+def _checkpointing(text: str):
+    if text in ("none", "all"):
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"'none', 'all' or a number of layers (0 or more), got {text!r}")
+    return value
+
+
+def _writable(folder: str) -> bool:
+    """Whether ``folder`` (or, where it does not exist yet, its nearest existing parent) takes new files."""
+    folder = os.path.abspath(folder)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    return os.path.isdir(folder) and os.access(folder, os.W_OK | os.X_OK)
+
+
+def _output_folder(text: str) -> str:
+    """A folder to write into (created when missing), checked before any work is done."""
+    if not text:
+        raise argparse.ArgumentTypeError("give a folder (created when missing)")
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a file; give a folder (created when missing)")
+    if not _writable(text):
+        raise argparse.ArgumentTypeError(f"cannot create or write files in {text}")
+    return text
+
+
+def _output_file(text: str) -> str:
+    """A file to write, checked before any work is done: its folder exists and takes files."""
+    folder = os.path.dirname(os.path.abspath(text)) if text else ""
+    if not text or os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"give a file to write, got the folder {text!r}" if text else
+                                         "give a file to write")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {text}")
+    return text
+
+
+def _model_config(name: str, argument: str):
+    """The causal LM config ``name`` gives (tigon.planner.load_config); BadArgument otherwise."""
+    from tigon.planner import ConfigError, check_causal_lm, load_config
+
+    try:
+        config = load_config(name)
+        check_causal_lm(config)
+    except ConfigError as exc:
+        raise BadArgument(argument, str(exc)) from None
+    return config
+
+
+# What `tigon bench --memory-timeline` runs without --model, --batch, --seq.
+TIMELINE_DEFAULTS = dict(model="llama-1b", batch=8, seq=1024)
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The ``tigon`` parser and its subcommands' parsers by name."""
+    from tigon import __version__
+    from tigon.bench.ops import OP_NAMES
+
+    parser = _Parser(prog="tigon", description="Fused Triton kernels for LLM training.")
     parser.add_argument("--version", action="version", version=f"tigon {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("env", help="versions, GPU, and whether kernels run compiled or interpreted")
+    env = sub.add_parser("env", help="versions, GPU, and whether kernels run compiled or interpreted")
     demo = sub.add_parser("demo", help="fine-tune a small Llama-style model with plain HF and with tigon, and compare")
-    demo.add_argument("--steps", type=int, help="optimizer steps per run (default: 300 on a GPU, 12 on the CPU)")
+    demo.add_argument("--steps", type=_positive_int,
+                      help="optimizer steps per run (default: 300 on a GPU, 12 on the CPU)")
     demo.add_argument("--quick", action="store_true", help="a few steps only (a smoke test)")
     demo.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when available")
-    demo.add_argument("--out", default="tigon_demo", help="folder for demo.json and loss_curves.png")
+    demo.add_argument("--out", type=_output_folder, default="tigon_demo",
+                      help="folder for demo.json and loss_curves.png")
     demo.add_argument("--no-progress", action="store_true")
     bench = sub.add_parser("bench", help="time and memory of every op vs torch eager / compile / Liger / CCE (GPU)")
     bench.add_argument("ops", nargs="*", metavar="op", help=f"ops to measure (default: all): {', '.join(OP_NAMES)}")
     bench.add_argument("--quick", action="store_true", help="one size per op")
-    bench.add_argument("--out", default="tigon_bench", help="folder for ops.json, ops.csv, ops.md and the plots")
+    bench.add_argument("--out", type=_output_folder, default="tigon_bench",
+                       help="folder for ops.json, ops.csv, ops.md and the plots")
     bench.add_argument("--verbose", action="store_true", help="print every implementation's result as it comes")
     bench.add_argument("--memory-timeline", action="store_true",
                        help="instead of the ops: one training step's memory over time, HF vs tigon, with the "
                             "planner's prediction (PNG)")
-    bench.add_argument("--model", default="llama-1b",
-                       help="--memory-timeline's model: a shape name, a config folder or a hub id (default llama-1b)")
-    bench.add_argument("--batch", type=int, default=8, help="--memory-timeline's batch size (default 8)")
-    bench.add_argument("--seq", type=int, default=1024, help="--memory-timeline's sequence length (default 1024)")
+    bench.add_argument("--model", help="--memory-timeline's model: a shape name, a config folder or a hub id "
+                                       f"(default {TIMELINE_DEFAULTS['model']})")
+    bench.add_argument("--batch", type=_positive_int,
+                       help=f"--memory-timeline's batch size (default {TIMELINE_DEFAULTS['batch']})")
+    bench.add_argument("--seq", type=_positive_int,
+                       help=f"--memory-timeline's sequence length (default {TIMELINE_DEFAULTS['seq']})")
     plan = sub.add_parser("plan", help="predict a training step's peak memory from a config; recommend batch size "
                                        "and activation checkpointing for a GPU")
-    plan.add_argument("model", help="a hub id, a folder with config.json, a config.json, or a shape name "
-                                    "(llama-1b, qwen2.5-0.5b, gemma2-2b, llama-8b, ...)")
-    plan.add_argument("--seq", type=int, required=True, help="tokens per sequence")
-    plan.add_argument("--batch", type=int, help="sequences per step (default: the recommended batch)")
-    plan.add_argument("--gpu-memory", help="the GPU's memory, e.g. 80GiB (default: this machine's GPU, else 80GiB)")
+    plan.add_argument("model", help="a hub id (namespace/name), a folder with config.json, a config.json, or a "
+                                    "shape name (llama-1b, qwen2.5-0.5b, gemma2-2b, llama-8b, ...)")
+    plan.add_argument("--seq", type=_positive_int, required=True, help="tokens per sequence")
+    plan.add_argument("--batch", type=_positive_int, help="sequences per step (default: the recommended batch)")
+    plan.add_argument("--gpu-memory", type=_memory_size,
+                      help="the GPU's memory, e.g. 80GiB (default: this machine's GPU, else 80GiB)")
     plan.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit", "sgd"])
     plan.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights and activations")
-    plan.add_argument("--checkpointing", help="predict with this checkpointing: none, all, or a number of layers "
-                                              "(default: the recommended one)")
+    plan.add_argument("--checkpointing", type=_checkpointing,
+                      help="predict with this checkpointing: none, all, or a number of layers "
+                           "(default: the recommended one)")
     plan.add_argument("--no-tigon", action="store_true", help="plain HF only")
-    plan.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    plan.add_argument("--json", metavar="PATH", type=_output_file, help="also write the numbers as JSON")
+    return parser, dict(env=env, demo=demo, bench=bench, plan=plan)
+
+
+def main(argv=None) -> int:
+    parser, commands = build_parser()
     args = parser.parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except BadArgument as exc:  # the one place a bad argument found after parsing becomes exit status 2
+        commands[args.command].error(str(exc))
 
-    if args.command == "env":
-        print(env_report())
-        return 0
-    if args.command == "plan":
-        return _plan(args, plan)
-    if args.command == "bench" and not args.memory_timeline:
+
+def _env(args) -> int:
+    print(env_report())
+    return 0
+
+
+def _demo(args) -> int:
+    if args.device == "cuda" and not _cuda_available():
+        raise BadArgument("--device", "torch sees no CUDA GPU here; use --device cpu, or leave --device out")
+    from tigon.demo import run_demo
+
+    run_demo(args.out, steps=args.steps, quick=args.quick, device=args.device, progress=not args.no_progress)
+    return 0
+
+
+def _bench(args) -> int:
+    from tigon.bench.ops import unknown_op_error
+
+    # Before the GPU check: a typo is reported on any machine.
+    if args.memory_timeline:
+        for flag, given in (("op", args.ops), ("--quick", args.quick), ("--verbose", args.verbose)):
+            if given:
+                raise BadArgument(flag, f"{'op names apply' if flag == 'op' else 'applies'} to the op suite, not "
+                                        f"to --memory-timeline: drop one or the other")
+        for name, default in TIMELINE_DEFAULTS.items():
+            if getattr(args, name) is None:
+                setattr(args, name, default)
+        _model_config(args.model, "--model")
+    else:
+        for name in TIMELINE_DEFAULTS:
+            if getattr(args, name) is not None:
+                raise BadArgument(f"--{name}", "applies only with --memory-timeline: add it, or drop "
+                                               f"--{name}")
         error = unknown_op_error(args.ops)
-        if error:  # before the GPU check: a typo is reported on any machine
-            bench.error(f"argument op: {error}")
-    cuda = _cuda_available()
-    if args.command == "demo":
-        if args.device == "cuda" and not cuda:
-            parser.error("--device cuda: torch sees no CUDA GPU")
-        from tigon.demo import run_demo
+        if error:
+            raise BadArgument("op", error)
+    if not _cuda_available():
+        print("tigon bench measures GPU kernels: torch sees no CUDA GPU here (`tigon demo` runs on the CPU).",
+              file=sys.stderr)
+        return 2
+    if args.memory_timeline:
+        from tigon.bench.memory_timeline import run as run_timeline
 
-        run_demo(args.out, steps=args.steps, quick=args.quick, device=args.device, progress=not args.no_progress)
+        run_timeline(args.model, args.batch, args.seq, args.out)
+        print(f"wrote {args.out}/memory_timeline.png and memory_timeline.json")
         return 0
-    if args.command == "bench":
-        if not cuda:
-            print("tigon bench measures GPU kernels: torch sees no CUDA GPU here (`tigon demo` runs on the CPU).",
-                  file=sys.stderr)
-            return 2
-        if args.memory_timeline:
-            from tigon.bench.memory_timeline import run as run_timeline
+    from tigon.bench.ops import run
 
-            run_timeline(args.model, args.batch, args.seq, args.out)
-            print(f"wrote {args.out}/memory_timeline.png and memory_timeline.json")
-            return 0
-        from tigon.bench.ops import run
-
-        run(args.ops or None, args.quick, args.out, args.verbose)
-        return 0
-    return 2
+    run(args.ops or None, args.quick, args.out, args.verbose)
+    return 0
 
 
-def _plan(args, parser) -> int:
+def _plan(args) -> int:
     import json
 
     import torch
 
     from tigon.planner import default_gpu_memory, parse_bytes, plan
 
-    for name in ("seq", "batch"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"argument --{name}: must be a positive integer, got {value}")
-    checkpointing = args.checkpointing
-    if checkpointing is not None and checkpointing not in ("none", "all"):
-        if not checkpointing.isdigit():
-            parser.error(f"argument --checkpointing: 'none', 'all' or a number of layers, got {checkpointing!r}")
-        checkpointing = int(checkpointing)
-    if args.gpu_memory is not None:
-        try:
-            gpu_memory = parse_bytes(args.gpu_memory, "--gpu-memory")
-        except (TypeError, ValueError) as exc:
-            parser.error(f"argument --gpu-memory: {exc}")
-    else:
-        gpu_memory = default_gpu_memory() or parse_bytes("80GiB")
-    progress = _trace_progress()
-    result = plan(args.model, args.seq, batch=args.batch, gpu_memory=gpu_memory, optimizer=args.optimizer,
-                  tigon=not args.no_tigon, dtype=getattr(torch, args.dtype), checkpointing=checkpointing,
+    config = _model_config(args.model, "model")
+    gpu_memory = args.gpu_memory or default_gpu_memory() or parse_bytes("80GiB")
+    progress = _trace_progress(searching=args.batch is None)
+    result = plan(config, args.seq, batch=args.batch, gpu_memory=gpu_memory, optimizer=args.optimizer,
+                  tigon=not args.no_tigon, dtype=getattr(torch, args.dtype), checkpointing=args.checkpointing,
                   progress=progress)
     progress.close()
     print(result.report())
@@ -167,31 +285,54 @@ def _plan(args, parser) -> int:
     return 0
 
 
-def _trace_progress():
-    """A callable counting traced steps on stderr (tqdm when installed), with close()."""
+_COMMANDS = dict(env=_env, demo=_demo, bench=_bench, plan=_plan)
+
+
+def _trace_progress(searching: bool):
+    """A callable counting traced steps on stderr, with close(): a tqdm bar on a terminal, else
+    (piped, logged) a line when tracing starts and one every PROGRESS_EVERY_S seconds."""
     try:
         from tqdm.auto import tqdm
     except ImportError:
         tqdm = None
-    if tqdm is None or not sys.stderr.isatty():
-        class _Silent:
+    if tqdm is not None and sys.stderr.isatty():
+        bar = tqdm(desc="tracing training steps on the meta device", unit="step", leave=False)
+
+        class _Bar:
             def __call__(self):
-                pass
+                bar.update(1)
 
             def close(self):
-                pass
+                bar.close()
 
-        return _Silent()
-    bar = tqdm(desc="tracing training steps on the meta device", unit="step", leave=False)
+        return _Bar()
+    return _ProgressLines(searching)
 
-    class _Bar:
-        def __call__(self):
-            bar.update(1)
 
-        def close(self):
-            bar.close()
+PROGRESS_EVERY_S = 10.0
 
-    return _Bar()
+
+class _ProgressLines:
+    def __init__(self, searching: bool):
+        self.steps, self.start = 0, time.monotonic()
+        self.last = self.start
+        what = "searching batch sizes and checkpointing" if searching else "predicting the step"
+        print(f"tigon plan: {what}: tracing training steps on the meta device (a second or so each)...",
+              file=sys.stderr, flush=True)
+
+    def __call__(self):
+        self.steps += 1
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            print(f"tigon plan: {self._steps()} traced ({now - self.start:.0f} s)", file=sys.stderr, flush=True)
+
+    def close(self):
+        print(f"tigon plan: {self._steps()} traced in {time.monotonic() - self.start:.0f} s", file=sys.stderr,
+              flush=True)
+
+    def _steps(self) -> str:
+        return f"{self.steps} step{'' if self.steps == 1 else 's'}"
 
 
 if __name__ == "__main__":
