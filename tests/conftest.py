@@ -3,15 +3,33 @@
 - ``TRITON_INTERPRET=1``: CPU tensors through Triton's interpreter, small odd shapes (CI).
 - otherwise, with CUDA: compiled kernels on the GPU, realistic shapes, plus the ``gpu``-marked
   cases. ``pytest --gpu`` insists on this mode and fails at once without a GPU.
+
+Which tests run: by default a representative subset of each parametrised test (``tests/tiers.py``)
+and none marked ``exhaustive`` (slow checks of what the default run covers otherwise: the demo
+run again, the benchmark harness); ``--exhaustive`` runs them all (CI does).
+
+Each test process compiles into caches of its own (Inductor's and Triton's, in a temporary folder
+removed at the end), so two runs on one machine never read each other's half-written files.
 """
 
-import pytest
+import os
+import shutil
+import tempfile
 
-from tests import helpers
+_CACHE_ROOT = tempfile.mkdtemp(prefix="tigon-test-caches-")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_CACHE_ROOT, "inductor")
+os.environ["TRITON_CACHE_DIR"] = os.path.join(_CACHE_ROOT, "triton")
+
+import pytest  # noqa: E402
+
+from tests import helpers  # noqa: E402  (imports torch and triton: after the cache folders are set)
+from tests.tiers import representative  # noqa: E402
 
 
 def pytest_addoption(parser):
     parser.addoption("--gpu", action="store_true", help="run on the CUDA GPU (compiled kernels); fail if none")
+    parser.addoption("--exhaustive", action="store_true",
+                     help="every parameter combination, not a representative subset of each test (CI)")
 
 
 def pytest_configure(config):
@@ -19,11 +37,23 @@ def pytest_configure(config):
         raise pytest.UsageError("--gpu needs a CUDA GPU and TRITON_INTERPRET unset")
 
 
+def pytest_unconfigure(config):
+    shutil.rmtree(_CACHE_ROOT, ignore_errors=True)
+
+
 def pytest_report_header(config):
-    return f"tigon kernels on: {helpers.DEVICE or 'nowhere (no CUDA and TRITON_INTERPRET unset)'}"
+    tier = "every combination (--exhaustive)" if config.getoption("--exhaustive") else "representative subset"
+    return [f"tigon kernels on: {helpers.DEVICE or 'nowhere (no CUDA and TRITON_INTERPRET unset)'}",
+            f"tigon tests: {tier}; caches in {_CACHE_ROOT}"]
 
 
 def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--exhaustive"):
+        keep = representative(item for item in items if "exhaustive" not in item.keywords)
+        dropped = [item for item in items if item not in keep]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = [item for item in items if item in keep]
     for item in items:
         if "gpu" in item.keywords and helpers.DEVICE != "cuda":
             item.add_marker(pytest.mark.skip(reason="GPU-only case (run with --gpu on a CUDA machine)"))
@@ -31,11 +61,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="no CUDA GPU, and TRITON_INTERPRET=1 is not set"))
 
 
+def pytest_runtest_logreport(report):
+    """With TIGON_TEST_FAILURE_LOG=path, each failure's test id and first error line are appended
+    there as it happens: a run cut short by a time limit (a GPU lease) still says what failed."""
+    path = os.environ.get("TIGON_TEST_FAILURE_LOG")
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
+        lines = str(report.longrepr).strip().splitlines()
+        errors = [line for line in lines if line.startswith("E ")] or lines[-1:]
+        with open(path, "a") as log:
+            log.write(f"{report.nodeid} ({report.when})\t{errors[0][:300] if errors else ''}\n")
+
+
 @pytest.fixture(autouse=True)
 def kernels(request):
     """Every test runs with output poisoning on (unwritten elements show up as NaN) and its own
     seed: reproducible, independent of test order; TIGON_TEST_SEED=k draws other inputs."""
-    import os
     import zlib
 
     import torch

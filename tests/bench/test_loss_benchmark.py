@@ -11,6 +11,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.exhaustive  # the benchmark's implementations: the losses are checked in tests/losses
 @pytest.mark.parametrize("loss", ["grpo", "dpo"])
 def test_loss_benchmark_implementations_agree(tmp_path, loss):
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), TRITON_INTERPRET="1")

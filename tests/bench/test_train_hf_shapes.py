@@ -76,6 +76,7 @@ def test_liger_skip_reason():
             assert reason is None or train_hf.LIGER_PATCHES[model_type] in reason
 
 
+@pytest.mark.exhaustive  # the benchmark script's own shapes: the families train in tests/integration
 @pytest.mark.parametrize("shape", ["qwen2.5-vl-3b", "qwen3-moe"])
 def test_tiny_training_patched_matches_hf(shape, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(train_hf, "DEVICE", DEVICE)
