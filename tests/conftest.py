@@ -35,6 +35,13 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     if config.getoption("--gpu") and helpers.DEVICE != "cuda":
         raise pytest.UsageError("--gpu needs a CUDA GPU and TRITON_INTERPRET unset")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # pytest-xdist's processes share the cores: torch's threads each, not every core each
+        # (2 workers of 2 threads on 2 cores spend their time switching).
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_unconfigure(config):
