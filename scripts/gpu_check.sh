@@ -3,7 +3,7 @@
 # at realistic shapes (pytest --gpu), then the op benchmark (tigon vs eager / compile / Liger).
 # Usage (device machine, repo root): OUT=/some/dir bash scripts/gpu_check.sh [benchmark args]
 # (TEST_ARGS="-k ..." narrows the tests, TEST_ARGS=--exhaustive runs every combination;
-# GPU_WORKERS=n runs the tests in n processes sharing the GPU, default 6: they are mostly Triton
+# GPU_WORKERS=n runs the tests in n processes sharing the GPU, default 12: they are mostly Triton
 # compiles, which use the CPU; SKIP_TESTS=1 / SKIP_BENCH=1 skip a half.)
 # Peer wheels (Liger, CCE) are installed from .whl/ when carried there (../shared/tools/gpu-wheels.sh).
 set -uo pipefail
@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 status=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  TIGON_TEST_FAILURE_LOG="$OUT/gpu_test_failures.txt" python3 -m pytest -q --gpu -p no:cacheprovider -n "${GPU_WORKERS:-6}" --dist worksteal --durations=15 tests \
+  TIGON_TEST_LOG="$OUT/gpu_test_log.tsv" python3 -m pytest -q --gpu -p no:cacheprovider -n "${GPU_WORKERS:-12}" --dist worksteal --durations=15 tests \
     ${TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
   status=${PIPESTATUS[0]}
 fi

@@ -12,6 +12,7 @@ Each test process compiles into caches of its own (Inductor's and Triton's, in a
 removed at the end), so two runs on one machine never read each other's half-written files.
 """
 
+import gc
 import os
 import shutil
 import tempfile
@@ -69,14 +70,21 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_runtest_logreport(report):
-    """With TIGON_TEST_FAILURE_LOG=path, each failure's test id and first error line are appended
-    there as it happens: a run cut short by a time limit (a GPU lease) still says what failed."""
-    path = os.environ.get("TIGON_TEST_FAILURE_LOG")
-    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
+    """With TIGON_TEST_LOG=path, each test's id, outcome, seconds and (for a failure) first error
+    line are appended there as it finishes: a run cut short by a time limit (a GPU lease) still
+    says what ran, what failed and what took the time."""
+    path = os.environ.get("TIGON_TEST_LOG")
+    if not path or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if report.when != "call" and not (report.failed or report.skipped or report.duration >= 1.0):
+        return  # a setup or teardown: only when it failed, skipped or took a second
+    error = ""
+    if report.failed:
         lines = str(report.longrepr).strip().splitlines()
         errors = [line for line in lines if line.startswith("E ")] or lines[-1:]
-        with open(path, "a") as log:
-            log.write(f"{report.nodeid} ({report.when})\t{errors[0][:300] if errors else ''}\n")
+        error = errors[0][:300] if errors else ""
+    with open(path, "a") as log:
+        log.write(f"{report.nodeid}\t{report.outcome} ({report.when})\t{report.duration:.1f}\t{error}\n")
 
 
 @pytest.fixture(autouse=True)
@@ -92,3 +100,8 @@ def kernels(request):
     set_poison_outputs(True)
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()) + int(os.environ.get("TIGON_TEST_SEED", "0")))
     yield helpers.DEVICE
+    if helpers.DEVICE == "cuda":
+        # Test processes share one GPU (pytest-xdist): what a test's tensors held goes back to the
+        # GPU, not to this process's cache (12 workers' caches once left no room on an H200).
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -52,6 +52,7 @@ from tigon.ops._common import (
     traced,
 )
 from tigon.ops._internals import graph_retained, launch
+from tigon.ops._jit_math import tanh_and_sech2
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -118,9 +119,9 @@ def _queue_label_check(bad, target, n_classes, ignore_index):
 
 @triton.jit
 def soft_cap(x, cap):
-    """cap * tanh(x / cap), and tanh itself (for the derivative), via sigmoid (no libdevice)."""
-    t = 2.0 * tl.sigmoid(2.0 * x / cap) - 1.0
-    return cap * t, t
+    """cap * tanh(x / cap), and its derivative 1 - tanh(x / cap)^2."""
+    t, sech2 = tanh_and_sech2(x / cap)
+    return cap * t, sech2
 
 
 @triton.jit
@@ -157,16 +158,16 @@ def store_ignored_row(LOSS, Z_LOSS, grad_row, row, n_cols, HAS_Z_LOSS: tl.conste
 
 
 @triton.jit
-def finish_gradient(g, p, t, bad, ce_scale, z_scale, lse, lse_square_scale, HAS_Z_LOSS: tl.constexpr,
+def finish_gradient(g, p, sech2, bad, ce_scale, z_scale, lse, lse_square_scale, HAS_Z_LOSS: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr):
     """A block of a row's gradient (cross_entropy_kernel, vocab_parallel_ce_kernel) from g, its
     cross-entropy part: times ce_scale, plus the z-loss's 2 lse_square_scale lse p times z_scale,
-    through the softcap (t = tanh(x / softcap), None without it); NaN on a bad row."""
+    through the softcap (sech2 = its derivative, None without it); NaN on a bad row."""
     g = g * ce_scale
     if HAS_Z_LOSS:
         g += 2.0 * lse_square_scale * lse * p * z_scale
     if HAS_SOFTCAP:
-        g = g * (1.0 - t * t)
+        g = g * sech2
     return tl.where(bad, float("nan"), g)
 
 
@@ -274,9 +275,9 @@ def cross_entropy_kernel(
                     mask = cols < n_cols
                     x = tl.load(logits_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
                     x = x.to(tl.float32)
-                    t = None  # tanh(x / softcap), for the softcap's derivative
+                    sech2 = None  # the softcap's derivative
                     if HAS_SOFTCAP:
-                        x, t = soft_cap(x, softcap)
+                        x, sech2 = soft_cap(x, softcap)
                     p = tl.exp(x - m) * inv_s
                     g = (1.0 - label_smoothing) * w_y * (p - tl.where(cols == y, 1.0, 0.0))
                     if HAS_SMOOTHING:
@@ -285,7 +286,7 @@ def cross_entropy_kernel(
                             g += label_smoothing / n_cols * (weight_sum * p - w)
                         else:
                             g += label_smoothing * (p - 1.0 / n_cols)
-                    g = finish_gradient(g, p, t, bad, ce_scale, z_scale, lse, lse_square_scale, HAS_Z_LOSS,
+                    g = finish_gradient(g, p, sech2, bad, ce_scale, z_scale, lse, lse_square_scale, HAS_Z_LOSS,
                                         HAS_SOFTCAP)
                     tl.store(grad_row + cols, g.to(GRAD.dtype.element_ty), mask=mask)
 

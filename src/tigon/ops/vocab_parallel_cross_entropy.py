@@ -198,14 +198,14 @@ def vocab_parallel_ce_kernel(
                     cols = start + offs
                     mask = cols < n_cols
                     x = tl.load(logits_row + cols, mask=mask, other=0.0).to(tl.float32)
-                    t = None  # tanh(x / softcap), for the softcap's derivative
+                    sech2 = None  # the softcap's derivative
                     if HAS_SOFTCAP:
-                        x, t = soft_cap(x, softcap)
+                        x, sech2 = soft_cap(x, softcap)
                     p = tl.exp(x - big_m) * inv_s
                     g = (1.0 - label_smoothing) * (p - tl.where(cols == local, 1.0, 0.0))
                     if HAS_SMOOTHING:
                         g += label_smoothing * (p - 1.0 / vocab)
-                    g = finish_gradient(g, p, t, bad, ce_scale, z_scale, lse, lse_square_scale, HAS_Z_LOSS,
+                    g = finish_gradient(g, p, sech2, bad, ce_scale, z_scale, lse, lse_square_scale, HAS_Z_LOSS,
                                         HAS_SOFTCAP)
                     tl.store(grad_row + cols, g.to(GRAD.dtype.element_ty), mask=mask)
 

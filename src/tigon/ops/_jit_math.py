@@ -1,0 +1,29 @@
+"""Triton device functions more than one op's kernels call (fp32 math the interpreter runs too)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tanh_and_sech2(u):
+    """(tanh(u), 1 - tanh(u)^2) in fp32, to a few ulp (libdevice's tanh does not run in the
+    interpreter; 2 sigmoid(2u) - 1 loses the relative precision of small u: on the GPU, Gemma 2's
+    logit softcap through it was 1e-5 off relative at small logits). One division."""
+    a = tl.abs(u)
+    e = tl.exp2(a * -2.8853900817779268)  # exp(-2|u|), the factor 2 log2(e) folded
+    # |u| >= 1/4: tanh = (1 - e) / (1 + e) with e <= 0.61 (no cancellation), and
+    # 1 - tanh^2 = 4e / (1 + e)^2 = e (1 + tanh)^2 stays exact where tanh rounds to +-1.
+    big = (1.0 - e) / (1.0 + e)
+    sech2_big = e * (1.0 + big) * (1.0 + big)
+    # |u| < 1/4: Taylor series to u^11 (the next term is below 1e-9 relative).
+    u2 = u * u
+    poly = -1382.0 / 155925.0
+    poly = poly * u2 + 62.0 / 2835.0
+    poly = poly * u2 - 17.0 / 315.0
+    poly = poly * u2 + 2.0 / 15.0
+    poly = poly * u2 - 1.0 / 3.0
+    small = u + u * u2 * poly
+    is_small = a < 0.25
+    t = tl.where(is_small, small, tl.where(u < 0, -big, big))
+    sech2 = tl.where(is_small, 1.0 - small * small, sech2_big)
+    return t, sech2
