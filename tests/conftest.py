@@ -16,6 +16,7 @@ import gc
 import os
 import shutil
 import tempfile
+import zlib
 
 _CACHE_ROOT = tempfile.mkdtemp(prefix="tigon-test-caches-")
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_CACHE_ROOT, "inductor")
@@ -31,6 +32,9 @@ def pytest_addoption(parser):
     parser.addoption("--gpu", action="store_true", help="run on the CUDA GPU (compiled kernels); fail if none")
     parser.addoption("--exhaustive", action="store_true",
                      help="every parameter combination, not a representative subset of each test (CI)")
+    parser.addoption("--part", default=None, metavar="K/N",
+                     help="only part K of N of the selected tests (by a hash of each test's id): a run split "
+                          "across time-limited calls, e.g. GPU leases")
 
 
 def pytest_configure(config):
@@ -62,11 +66,27 @@ def pytest_collection_modifyitems(config, items):
         if dropped:
             config.hook.pytest_deselected(items=dropped)
             items[:] = [item for item in items if item in keep]
+    part = config.getoption("--part")
+    if part:
+        k, n = _part(part)
+        dropped = [item for item in items if zlib.crc32(item.nodeid.encode()) % n != k - 1]
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if zlib.crc32(item.nodeid.encode()) % n == k - 1]
     for item in items:
         if "gpu" in item.keywords and helpers.DEVICE != "cuda":
             item.add_marker(pytest.mark.skip(reason="GPU-only case (run with --gpu on a CUDA machine)"))
         elif helpers.DEVICE is None and "kernels" in item.fixturenames:
             item.add_marker(pytest.mark.skip(reason="no CUDA GPU, and TRITON_INTERPRET=1 is not set"))
+
+
+def _part(text: str) -> tuple[int, int]:
+    try:
+        k, n = (int(v) for v in text.split("/"))
+    except ValueError:
+        k = n = 0
+    if not 1 <= k <= n:
+        raise pytest.UsageError(f"--part takes K/N with 1 <= K <= N, got {text!r}")
+    return k, n
 
 
 def pytest_runtest_logreport(report):
@@ -91,8 +111,6 @@ def pytest_runtest_logreport(report):
 def kernels(request):
     """Every test runs with output poisoning on (unwritten elements show up as NaN) and its own
     seed: reproducible, independent of test order; TIGON_TEST_SEED=k draws other inputs."""
-    import zlib
-
     import torch
 
     from tigon.ops._common import set_poison_outputs

@@ -234,6 +234,28 @@ def test_patched_family_trains_like_hf(model_type):
     assert_trains_like(exact, hf, train(patched, ids, labels), routed=bool(family.experts))
 
 
+def test_loss_applies_the_logit_transforms_the_installed_forward_applies(monkeypatch):
+    """A row's logit transform (here Gemma 2's softcap) is applied only where the installed HF
+    forward applies it: PaliGemma's forward soft-caps in transformers 5.2x, not in 5.17 (on the
+    H100's 5.17 tigon capped where HF did not). Stand-in: Gemma 2's forward without the cap."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.models.gemma2 import modeling_gemma2
+
+    def uncapped_forward(self, input_ids=None, labels=None, **kwargs):  # transformers 5.17's PaliGemma's shape
+        logits = self.lm_head(self.model(input_ids=input_ids, **kwargs).last_hidden_state)
+        loss = None if labels is None else self.loss_function(logits=logits, labels=labels,
+                                                              vocab_size=self.config.vocab_size)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    monkeypatch.setattr(modeling_gemma2.Gemma2ForCausalLM, "forward", uncapped_forward)
+    model = tiny_model("gemma2", final_logit_softcapping=0.5)  # a cap that would move the loss
+    ids, labels = batch(model.config.vocab_size)
+    hf = model(input_ids=ids, labels=labels).loss
+    patched = copy.deepcopy(model)
+    assert "loss" in tigon.patch(patched).pieces()
+    torch.testing.assert_close(patched(input_ids=ids, labels=labels).loss, hf, rtol=1e-5, atol=0)
+
+
 def test_class_patch_before_build_then_unpatch():
     model = tiny_model("llama")
     ids, labels = batch(model.config.vocab_size)

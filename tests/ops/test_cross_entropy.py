@@ -422,8 +422,7 @@ def test_large_logits_keep_their_precision(dtype, offset):
 def test_softcap_keeps_the_precision_of_small_logits(scale):
     """cap tanh(x / cap) at small x / cap (Gemma 2's cap 30 on a freshly initialised head's
     logits): as accurate as eager torch's tanh. Through 2 sigmoid(2u) - 1 the capped logits were
-    off by ~cap x 1e-7 absolute on the GPU and PaliGemma's fp32 training drifted 80x further from
-    float64 than HF's."""
+    off by ~cap x 1e-7 absolute, and the gradient's error was 5x eager torch's here."""
     n, v = pick(cpu=(9, 300), gpu=(1024, 32000))
     logits = randn((n, v), torch.float32, scale=scale)
     target = make_target(n, v)

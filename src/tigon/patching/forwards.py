@@ -645,6 +645,22 @@ def make_ignore_causal_mask_sdpa(original):
     return _ignore_causal_mask_sdpa
 
 
+def forward_reads(fn, name: str) -> bool:
+    """Whether ``fn``'s code names ``name`` (an attribute read or a getattr string, nested code
+    included): which of a row's logit transforms the installed HF version of the forward applies
+    (PaliGemma's soft-caps its logits from transformers 5.2x on, not in 5.17)."""
+    def names(code):
+        yield from code.co_names
+        for const in code.co_consts:
+            if isinstance(const, str):
+                yield const
+            elif isinstance(const, types.CodeType):
+                yield from names(const)
+
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    return code is None or name in set(names(code))
+
+
 def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mode="flce", chunk_budget=None,
                            multiplier_attr=None, composite=False):
     """Wrap a *ForCausalLM.forward. With labels and the model in training (or ``skip_logits=True``),
@@ -665,6 +681,9 @@ def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mo
     the generated-positions shortcuts stay off)."""
     # The arguments are bound by name with plain dict operations (inspect.Signature.bind breaks
     # torch.compile's graph): HF's forwards take named parameters, then **kwargs.
+    # A transform the wrapped forward does not apply (another HF version) is not applied either.
+    softcap_attr, divisor_attr, multiplier_attr = (
+        attr if attr and forward_reads(original, attr) else None for attr in (softcap_attr, divisor_attr, multiplier_attr))
     params = list(inspect.signature(original).parameters.values())[1:]
     names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
