@@ -12,9 +12,10 @@ import torch
 
 import tigon
 from tests.helpers import DEVICE, pick, recording_backend
-from tests.integration.test_patching import assert_same_training, batch, tiny_model
+from tests.integration.test_patching import SIZE, assert_same_training, batch, tiny_model
 
 pytest.importorskip("transformers")
+from transformers import AutoConfig  # noqa: E402
 
 BACKEND = pick(cpu="aot_eager", gpu="inductor")
 # The families the compile promise is checked on (dense, tied head, soft-capped Gemma 2, MoE).
@@ -148,6 +149,108 @@ def test_patched_forward_changes_no_module_while_running():
     model(input_ids=ids, labels=labels).loss.backward()
     hook.remove()
     assert installed is not None and seen == [installed]
+
+
+def built_the_way(way, model_type="llama", checkpointing=False):
+    """A tiny model of ``model_type`` with tigon applied as a user would (``way``): "instance"
+    (tigon.patch on the built model), "class" (tigon.patch_<family>() before building, as Liger
+    users do), "class after build" (the model built first: prepared at its first eager call),
+    "auto" (tigon.AutoModelForCausalLM), "none" (HF's model, unpatched). HF's checkpointing on
+    when asked. Class patches hold until the test's fixture unpatches."""
+    build = tiny_model
+    if way == "class":
+        getattr(tigon, f"patch_{model_type}")()
+    elif way == "auto":
+        def build(model_type):
+            torch.manual_seed(0)
+            return tigon.AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **SIZE)).to(DEVICE)
+    model = build(model_type)
+    if way == "instance":
+        tigon.patch(model)
+    elif way == "class after build":
+        getattr(tigon, f"patch_{model_type}")()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+        model.config.use_cache = False
+    return model.train()
+
+
+WAYS = ["instance", "class", "class after build", "auto"]
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_patched_forward_changes_no_module_while_running_however_applied(way):
+    """After its first eager call (a class patch applied after building prepares the model
+    then), a training call sets no module attribute: the head's forward seen inside the model is
+    the one there before the call."""
+    model = built_the_way(way, "qwen2")
+    ids, labels = batch(model.config.vocab_size)
+    model(input_ids=ids, labels=labels).loss.backward()
+    head = model.get_output_embeddings()
+    installed = vars(head).get("forward")
+    seen = []
+    hook = model.model.norm.register_forward_hook(lambda *_: seen.append(vars(head).get("forward")))
+    model(input_ids=ids, labels=labels).loss.backward()
+    hook.remove()
+    assert installed is not None and seen == [installed]
+    assert vars(head).get("forward") is installed
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("way", ["class", "instance", "auto"])
+def test_compiled_training_neither_breaks_nor_recompiles_however_applied(way, checkpointing, monkeypatch):
+    """torch.compile(model) of a model tigon was applied to (compiled from its first call): as
+    many graphs and graph breaks as HF's own model, and no recompile over four optimizer steps."""
+    from torch._dynamo.testing import CompileCounter
+    from torch._dynamo.utils import counters
+
+    ids, labels = batch(SIZE["vocab_size"])
+
+    def graphs_and_breaks(model):
+        torch._dynamo.reset()
+        counters.clear()
+        counter = CompileCounter()
+        compiled = torch.compile(model, backend=counter)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        for step in range(4):
+            opt.zero_grad(set_to_none=True)
+            compiled(input_ids=ids, labels=labels).loss.backward()
+            opt.step()
+            if step == 0:
+                first, torch._dynamo.config.error_on_recompile = counter.frame_count, True
+        monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", False)
+        assert counter.frame_count == first
+        return first, sum(counters["graph_break"].values())
+
+    hf = graphs_and_breaks(built_the_way("none", checkpointing=checkpointing))
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", False)
+    tigon.patching.forwards._ACTIVATION_OF.clear()  # the activation found anew, as in a fresh process
+    assert graphs_and_breaks(built_the_way(way, checkpointing=checkpointing)) == hf
+
+
+@pytest.mark.parametrize("way", ["none", "class", "instance"])
+def test_trainer_with_torch_compile_does_not_recompile(way, tmp_path, monkeypatch):
+    """HF's Trainer with ``torch_compile=True`` (it compiles the model) over a patched model:
+    after the first step, no recompile; graph breaks as HF's own model has (none)."""
+    from torch._dynamo.utils import counters
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    class NoRecompileAfterFirstStep(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+
+    tigon.patching.forwards._ACTIVATION_OF.clear()
+    model = built_the_way(way)
+    gen = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, SIZE["vocab_size"], (8, 8), generator=gen)]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, learning_rate=1e-3,
+                             torch_compile=True, torch_compile_backend=BACKEND, report_to=[], save_strategy="no",
+                             use_cpu=DEVICE != "cuda", logging_steps=1)
+    counters.clear()
+    trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[NoRecompileAfterFirstStep()])
+    trainer.train()
+    assert trainer.state.global_step == 4
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])

@@ -662,7 +662,7 @@ def forward_reads(fn, name: str) -> bool:
 
 
 def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mode="flce", chunk_budget=None,
-                           multiplier_attr=None, composite=False):
+                           multiplier_attr=None, composite=False, capture_head=None):
     """Wrap a *ForCausalLM.forward. With labels and the model in training (or ``skip_logits=True``),
     mode "flce" computes the loss from the last hidden state and the lm_head weight without the
     logits (``logits`` is None in the output); mode "cross_entropy" computes the logits as HF
@@ -678,7 +678,9 @@ def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mo
     [V, H] gradient buffer (see tigon.ops.embedding). ``composite``: an image+text
     *ForConditionalGeneration, whose logit transforms and auxiliary-loss coefficient are read from
     its text config, and whose positions HF may build itself (multimodal RoPE, image-token masks:
-    the generated-positions shortcuts stay off)."""
+    the generated-positions shortcuts stay off). ``capture_head(model)``: sets the head's loss
+    capture on a model that lacks it (built before a class patch), at its first eager call, so that
+    later calls, compiled ones among them, change no module while they run."""
     # The arguments are bound by name with plain dict operations (inspect.Signature.bind breaks
     # torch.compile's graph): HF's forwards take named parameters, then **kwargs.
     # A transform the wrapped forward does not apply (another HF version) is not applied either.
@@ -705,6 +707,9 @@ def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mo
         return_dict = call.pop("return_dict", None)
         call["labels"] = None
         head = self.get_output_embeddings()
+        if (mode == "flce" and capture_head is not None and not torch.compiler.is_compiling()
+                and getattr(head.forward, "_tigon", None) != CAPTURING_HEAD):
+            capture_head(self)
 
         generated = not composite and all(call.get(name) is None for name in (
             "position_ids", "attention_mask", "past_key_values", "cache", "inputs_embeds"))

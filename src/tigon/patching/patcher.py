@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import importlib
 import inspect
 import logging
@@ -37,6 +38,7 @@ from tigon.ops._internals import PRIVATE_APIS
 from tigon.patching.checkpointing import CheckpointingPolicy, check_checkpointing, make_checkpointing_forward
 from tigon.patching.families import BY_MODEL_TYPE, FAMILIES, Family
 from tigon.patching.forwards import (
+    CAPTURING_HEAD,
     IGNORE_CAUSAL_MASK_PARAMS,
     MOE_EXPERTS,
     TigonPatchError,
@@ -392,6 +394,32 @@ def _forward_before_tigon(inst):
     return lambda _self, *args, **kwargs: own(*args, **kwargs)
 
 
+def _capture_head(lm: nn.Module, undo: list | None = None) -> None:
+    """The output head of ``lm`` computes the patched forward's fused loss from its input
+    (make_capturing_head_forward): set once on the instance, never swapped per call."""
+    head = lm.get_output_embeddings()
+    if isinstance(head, nn.Module) and getattr(head.forward, "_tigon", None) != CAPTURING_HEAD:
+        _set_instance(head, "forward", make_capturing_head_forward(_forward_before_tigon(head)),
+                      [] if undo is None else undo)
+
+
+def _init_preparing(lm_class: type, init, mlp_classes: tuple, mode: str):
+    """``lm_class.__init__`` (``init``: its own, or _MISSING for the inherited one), then the built
+    model prepared for a class patch: its MLPs' activations identified, and with mode "flce" its
+    head's loss capture set."""
+    def __init__(self, *args, **kwargs):
+        (super(lm_class, self).__init__ if init is _MISSING else functools.partial(init, self))(*args, **kwargs)
+        for module in self.modules():
+            if isinstance(module, mlp_classes):
+                fused_activation(module)
+        if mode == "flce":
+            _capture_head(self)
+
+    __init__._tigon = "builds the model, then prepares it for tigon's class patch"
+    __init__._tigon_original = init
+    return __init__
+
+
 def apply_family(family: Family, options: PatchOptions | None = None, model: nn.Module | None = None) -> PatchReport:
     """Patch the classes of ``family`` (model None) or the modules of ``model``; see patch_<family>.
     A vision-language row's sub-models get their own rows too (``_sub_families``), without their
@@ -552,20 +580,27 @@ def _apply_row(family: Family, options: PatchOptions, model: nn.Module | None) -
             put(experts_class, "_apply_gate", tigon_apply_gate, "swiglu", f"{experts_class.__name__}._apply_gate")
     if ropes:
         _patch_rope(mod, ropes, model, report)
+    mode = "flce" if opts.fused_linear_cross_entropy else "cross_entropy"
     for lm_class, composite in lm_classes:
-        mode = "flce" if opts.fused_linear_cross_entropy else "cross_entropy"
         original = lm_class.forward
         original = getattr(original, "_tigon_original", original)
         fwd = make_causal_lm_forward(original, softcap_attr=family.logit_softcap, divisor_attr=family.logit_divisor,
                                      mode=mode, chunk_budget=opts.chunk_budget,
-                                     multiplier_attr=family.logit_multiplier, composite=composite)
+                                     multiplier_attr=family.logit_multiplier, composite=composite,
+                                     capture_head=_capture_head)
         fwd._tigon_original = original
         put(lm_class, "forward", fwd, "loss", f"{lm_class.__name__} ({fwd._tigon})")
         if model is not None and mode == "flce":
             for lm in _instances(model, lm_class):
-                head = lm.get_output_embeddings()
-                if isinstance(head, nn.Module):
-                    _set_instance(head, "forward", make_capturing_head_forward(_forward_before_tigon(head)), undo)
+                _capture_head(lm, undo)
+        elif model is None and lm_class.__module__.startswith("transformers."):
+            # A class patch: each model built while it holds is prepared as the instance patch
+            # prepares one (its head's loss capture set, its MLPs' activations found), so that
+            # its forward changes no module and evaluates no activation while torch.compile traces it.
+            mlps = tuple(mlp_classes + vision_mlp_classes)
+            init = vars(lm_class).get("__init__", _MISSING)
+            init = getattr(init, "_tigon_original", init)
+            _set_shared(lm_class, "__init__", _init_preparing(lm_class, init, mlps, mode), undo)
     if lm_classes:
         _patch_mask_helpers(report)
     log.info("%s", report)
