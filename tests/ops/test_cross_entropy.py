@@ -494,7 +494,7 @@ def option_args(**options):
 
 
 def opcheck_all_succeed(op, args):
-    results = torch.library.opcheck(op, args)
+    results = torch.library.opcheck(getattr(op, "library_op", op), args)
     assert set(results.values()) == {"SUCCESS"}, results
 
 

@@ -160,10 +160,10 @@ def test_dyt_custom_ops_pass_opcheck():
     from tigon.ops.dyt import dyt_backward_op, dyt_op
 
     x, alpha, gamma, beta = dyt_inputs((3, 5, 37), torch.float32, non_contiguous=True)
-    assert set(torch.library.opcheck(dyt_op, (x, alpha, gamma, beta)).values()) == {"SUCCESS"}
+    assert set(torch.library.opcheck(dyt_op.library_op, (x, alpha, gamma, beta)).values()) == {"SUCCESS"}
     x, alpha, gamma, beta = (t.detach() for t in (x, alpha, gamma, beta))
     dy = randn((3, 5, 37), torch.float32)
-    checks = torch.library.opcheck(dyt_backward_op, (dy, x, alpha, gamma, beta, True, True, True))
+    checks = torch.library.opcheck(dyt_backward_op.library_op, (dy, x, alpha, gamma, beta, True, True, True))
     assert set(checks.values()) == {"SUCCESS"}
 
 

@@ -152,7 +152,7 @@ def test_glu_bad_inputs():
 
 
 def assert_opcheck(op, args):
-    assert set(torch.library.opcheck(op, args).values()) == {"SUCCESS"}
+    assert set(torch.library.opcheck(getattr(op, "library_op", op), args).values()) == {"SUCCESS"}
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu_erf"])
@@ -164,8 +164,8 @@ def test_glu_custom_ops_pass_opcheck(activation, halves):
         a, b = randn((3, 5, 2 * 37), torch.float32, requires_grad=True).chunk(2, dim=-1)
     else:
         a, b = (randn((3, 5, 37), torch.float32, requires_grad=True) for _ in range(2))
-    assert_opcheck(glu_op, (a, b, activation, 0.7, 1.3))
-    assert_opcheck(glu_backward_op, (randn((3, 5, 37), torch.float32), a.detach(), b.detach(), activation, 0.7, 1.3))
+    assert_opcheck(glu_op.library_op, (a, b, activation, 0.7, 1.3))
+    assert_opcheck(glu_backward_op.library_op, (randn((3, 5, 37), torch.float32), a.detach(), b.detach(), activation, 0.7, 1.3))
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -178,11 +178,11 @@ def test_glu_down_custom_ops_pass_opcheck(bias, inplace):
     w = randn((24, 40), torch.float32, scale=40**-0.5, requires_grad=True)
     bvec = randn((24,), torch.float32, requires_grad=True) if bias else None
     options = ("gelu_tanh", 0.7, 1.3, torch.float32)
-    assert_opcheck(glu_down_op, (a, b, w, bvec, *options, inplace, 16))
+    assert_opcheck(glu_down_op.library_op, (a, b, w, bvec, *options, inplace, 16))
     a, b, w, bvec = (None if t is None else t.detach() for t in (a, b, w, bvec))  # backward ops: no autograd
     dout = randn((2, 5, 24), torch.float32)
-    assert_opcheck(glu_down_backward_op, (dout, a, b, w, bvec, *options, 16, True, True, bias))
-    assert_opcheck(glu_down_backward_inplace_op, (dout, a.clone(), b.clone(), w, bvec, *options, 16, True, bias))
+    assert_opcheck(glu_down_backward_op.library_op, (dout, a, b, w, bvec, *options, 16, True, True, bias))
+    assert_opcheck(glu_down_backward_inplace_op.library_op, (dout, a.clone(), b.clone(), w, bvec, *options, 16, True, bias))
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_erf"])

@@ -127,10 +127,10 @@ def test_glu_mlp_custom_ops_pass_opcheck(frozen):
     x = randn((*TOKENS, HIDDEN), torch.float32, non_contiguous=True, requires_grad=True)
     weights = make_weights(torch.float32, requires_grad=not frozen)
     options = ("gelu_tanh", 0.7, 1.3, torch.float32, SLICE)
-    assert set(torch.library.opcheck(glu_mlp_op, (x, *weights, *options, True, False)).values()) == {"SUCCESS"}
+    assert set(torch.library.opcheck(glu_mlp_op.library_op, (x, *weights, *options, True, False)).values()) == {"SUCCESS"}
     dout = randn((*TOKENS, HIDDEN), torch.float32)
     needs = (True, *(not frozen,) * 3)
-    checks = torch.library.opcheck(glu_mlp_backward_op, (dout, x.detach(), *[w.detach() for w in weights], *options,
+    checks = torch.library.opcheck(glu_mlp_backward_op.library_op, (dout, x.detach(), *[w.detach() for w in weights], *options,
                                                          *needs))
     assert set(checks.values()) == {"SUCCESS"}
 

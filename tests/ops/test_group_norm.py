@@ -218,11 +218,11 @@ def test_group_norm_custom_ops_pass_opcheck():
 
     x = randn((2, 4, 3, 2), torch.float32, non_contiguous=True, requires_grad=True)
     w, b = randn((4,), torch.float32, requires_grad=True), None
-    assert set(torch.library.opcheck(group_norm_op, (x, 2, w, b, 1e-5)).values()) == {"SUCCESS"}
+    assert set(torch.library.opcheck(group_norm_op.library_op, (x, 2, w, b, 1e-5)).values()) == {"SUCCESS"}
     x, w, b = (None if t is None else t.detach() for t in (x, w, b))
     _, mean, rstd = group_norm_op(x, 2, w, b, 1e-5)
     dy = randn((2, 4, 3, 2), torch.float32)
-    checks = torch.library.opcheck(group_norm_backward_op, (dy, x, 2, w, b, mean, rstd, True, False))
+    checks = torch.library.opcheck(group_norm_backward_op.library_op, (dy, x, 2, w, b, mean, rstd, True, False))
     assert set(checks.values()) == {"SUCCESS"}
 
 

@@ -115,11 +115,11 @@ def test_layer_norm_custom_ops_pass_opcheck(affine, non_contiguous):
     x = randn((3, 5, 37), torch.float32, non_contiguous=non_contiguous, requires_grad=True)
     w = randn((37,), torch.float32, requires_grad=True) if "weight" in affine else None
     b = randn((37,), torch.float32, requires_grad=True) if "bias" in affine else None
-    assert set(torch.library.opcheck(layer_norm_op, (x, w, b, 1e-5)).values()) == {"SUCCESS"}
+    assert set(torch.library.opcheck(layer_norm_op.library_op, (x, w, b, 1e-5)).values()) == {"SUCCESS"}
     x, w, b = (None if t is None else t.detach() for t in (x, w, b))  # the backward op has no autograd
     _, mean, rstd = layer_norm_op(x, w, b, 1e-5)
     dy = randn((3, 5, 37), torch.float32)
-    checks = torch.library.opcheck(layer_norm_backward_op, (dy, x, w, b, mean, rstd, w is not None, b is not None))
+    checks = torch.library.opcheck(layer_norm_backward_op.library_op, (dy, x, w, b, mean, rstd, w is not None, b is not None))
     assert set(checks.values()) == {"SUCCESS"}
 
 

@@ -261,14 +261,14 @@ def test_moe_experts_matches_hf_expert_modules():
 def test_moe_experts_custom_ops_pass_opcheck():
     x, idx, w, gu, dn, gub, db = make_inputs(SMALL, torch.float32, 2, bias=True)
     args = (x, idx, w, gu, dn, gub, db, "silu", "gate_up", False, 1.0, 0.0, True)
-    assert set(torch.library.opcheck(moe_experts_op, args, test_utils=("test_schema", "test_faketensor")
+    assert set(torch.library.opcheck(moe_experts_op.library_op, args, test_utils=("test_schema", "test_faketensor")
                                      ).values()) == {"SUCCESS"}
     plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in args]
     _, kept, table = moe_experts_op(*plain)
     dout = randn((SMALL[0], SMALL[1]), torch.float32)
     back = (dout, plain[0], plain[2], kept, table, *plain[3:7], "silu", "gate_up", False, 1.0, 0.0,
             True, True, True, False, True, False)
-    checks = torch.library.opcheck(moe_experts_backward_op, back, test_utils=("test_schema", "test_faketensor"))
+    checks = torch.library.opcheck(moe_experts_backward_op.library_op, back, test_utils=("test_schema", "test_faketensor"))
     assert set(checks.values()) == {"SUCCESS"}
 
 

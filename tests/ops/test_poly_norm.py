@@ -120,11 +120,11 @@ def test_poly_norm_custom_ops_pass_opcheck():
     from tigon.ops.poly_norm import poly_norm_backward_op, poly_norm_op
 
     x, weight, bias = poly_inputs((3, 5, 37), torch.float32, non_contiguous=True)
-    assert set(torch.library.opcheck(poly_norm_op, (x, weight, bias, 1e-6)).values()) == {"SUCCESS"}
+    assert set(torch.library.opcheck(poly_norm_op.library_op, (x, weight, bias, 1e-6)).values()) == {"SUCCESS"}
     x, weight, bias = (t.detach() for t in (x, weight, bias))
     _, rstd = poly_norm_op(x, weight, bias, 1e-6)
     dy = randn((3, 5, 37), torch.float32)
-    checks = torch.library.opcheck(poly_norm_backward_op, (dy, x, weight, bias, rstd, True))
+    checks = torch.library.opcheck(poly_norm_backward_op.library_op, (dy, x, weight, bias, rstd, True))
     assert set(checks.values()) == {"SUCCESS"}
 
 

@@ -89,9 +89,9 @@ def test_relu_squared_custom_ops_pass_opcheck(non_contiguous):
     from tigon.ops.relu_squared import relu_squared_backward_op, relu_squared_op
 
     x = randn((3, 5, 37), torch.float32, non_contiguous=non_contiguous, requires_grad=True)
-    assert set(torch.library.opcheck(relu_squared_op, (x,)).values()) == {"SUCCESS"}
+    assert set(torch.library.opcheck(relu_squared_op.library_op, (x,)).values()) == {"SUCCESS"}
     dy = randn((3, 5, 37), torch.float32, non_contiguous=non_contiguous)
-    assert set(torch.library.opcheck(relu_squared_backward_op, (dy, x.detach())).values()) == {"SUCCESS"}
+    assert set(torch.library.opcheck(relu_squared_backward_op.library_op, (dy, x.detach())).values()) == {"SUCCESS"}
 
 
 def test_relu_squared_compiles_without_graph_breaks():

@@ -198,13 +198,13 @@ def test_relu_squared_mlp_custom_ops_pass_opcheck(monkeypatch):
     # one (the pre-activation, kept for that backward; the functional API never returns it):
     # checked here with the backward that leaves it alone (the in-place one is checked above).
     monkeypatch.setattr(relu_squared_mlp, "graph_retained", lambda: True)
-    assert set(torch.library.opcheck(relu_squared_mlp_op, (x, *params, *options)).values()) == {"SUCCESS"}
+    assert set(torch.library.opcheck(relu_squared_mlp_op.library_op, (x, *params, *options)).values()) == {"SUCCESS"}
     x, params = x.detach(), [None if t is None else t.detach() for t in params]
     _, pre = relu_squared_mlp_op(x, *params, *options)
     dout = randn((*TOKENS, HIDDEN), torch.float32)
     needs = (True, False, True, True, False)
     for op in (relu_squared_mlp_backward_op, relu_squared_mlp_backward_inplace_op):
-        checks = torch.library.opcheck(op, (dout, x, pre.clone(), *params, *options, *needs))
+        checks = torch.library.opcheck(op.library_op, (dout, x, pre.clone(), *params, *options, *needs))
         assert set(checks.values()) == {"SUCCESS"}
 
 

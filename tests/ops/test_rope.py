@@ -256,10 +256,10 @@ def test_rope_custom_ops_pass_opcheck(layout, non_contiguous, positions):
             torch.randint(0, 9, (batch, tokens), device=q.device)
     else:
         cos, sin, pos = randn((1, tokens, rot), torch.float32), randn((1, tokens, rot), torch.float32), None
-    assert set(torch.library.opcheck(rope_op, (q, k, cos, sin, pos, unsqueeze_dim)).values()) == {"SUCCESS"}
+    assert set(torch.library.opcheck(rope_op.library_op, (q, k, cos, sin, pos, unsqueeze_dim)).values()) == {"SUCCESS"}
     strides = [list(dense_strides(t) or ()) for t in (q, k)]
     grads = (randn(q.shape, torch.float32), randn(k.shape, torch.float32))
-    checks = torch.library.opcheck(rope_backward_op, (*grads, cos, sin, pos, unsqueeze_dim, *strides))
+    checks = torch.library.opcheck(rope_backward_op.library_op, (*grads, cos, sin, pos, unsqueeze_dim, *strides))
     assert set(checks.values()) == {"SUCCESS"}
 
 
@@ -351,7 +351,7 @@ def test_rope_interleaved_bad_tables_and_opcheck():
                                 interleaved=True)
     with pytest.raises(TypeError, match="interleaved must be a bool"):
         TF.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2, interleaved=1)
-    assert set(torch.library.opcheck(rope_op, (q, k, cos, sin, None, 2, True)).values()) == {"SUCCESS"}
+    assert set(torch.library.opcheck(rope_op.library_op, (q, k, cos, sin, None, 2, True)).values()) == {"SUCCESS"}
     grads = (randn(q.shape, torch.float32), randn(k.shape, torch.float32))
-    checks = torch.library.opcheck(rope_backward_op, (*grads, cos, sin, None, 2, [], [], True))
+    checks = torch.library.opcheck(rope_backward_op.library_op, (*grads, cos, sin, None, 2, [], [], True))
     assert set(checks.values()) == {"SUCCESS"}

@@ -17,6 +17,12 @@ from typing import NamedTuple
 
 import torch
 
+from tigon.ops._internals import (
+    interpreter_enabled,
+    plain_eager_call,
+    triton_imported_before_interpreter,
+)
+
 # When set (the test suite sets it), every output buffer starts as NaN instead of
 # uninitialised memory, so an element a kernel forgot to write fails the comparison.
 _POISON_OUTPUTS = os.environ.get("TIGON_POISON_OUTPUTS", "0") == "1"
@@ -28,13 +34,6 @@ def set_poison_outputs(enabled: bool) -> None:
     _POISON_OUTPUTS = bool(enabled)
 
 
-# Triton reads TRITON_INTERPRET when it decorates the kernels (at tigon's import), so it is
-# read once here too.
-_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def interpreter_enabled() -> bool:
-    return _INTERPRETER
 
 
 # Ops whose bodies only check arguments, allocate and launch tigon's kernels are registered with
@@ -50,24 +49,69 @@ KERNEL_OPS: list[str] = []  # the names registered through kernel_op, in registr
 OP_BODIES: dict = {}
 
 
+class TigonOp:
+    """One of tigon's ops: the torch.library op (``library_op``: what torch.compile, fake tensors,
+    torch.func, DTensor and dispatch modes see, and what opcheck takes) and, for a plain eager call
+    (``tigon.ops._internals.plain_eager_call``), the same body and the autograd formula given to
+    ``register_autograd`` run directly through one autograd.Function, without torch's dispatcher.
+    Both paths run one definition. Ops that mutate an argument, take lists of tensors or are
+    called with keywords always take the dispatcher."""
+
+    def __init__(self, library_op, body, mutates_args):
+        self.library_op, self._body = library_op, body
+        parameters = inspect.signature(body, eval_str=True).parameters.values()
+        self._direct = not mutates_args and not any("list" in str(p.annotation).lower() for p in parameters)
+        self._function = None  # the autograd.Function of the eager path, once a formula is registered
+
+    def __call__(self, *args, **kwargs):
+        if kwargs or not self._direct or not plain_eager_call(args):
+            return self.library_op(*args, **kwargs)
+        if not torch.is_grad_enabled() or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return self._body(*args)
+        if self._function is None:  # no autograd formula: the dispatcher says so
+            return self.library_op(*args)
+        return self._function.apply(*args)
+
+    def register_autograd(self, backward, *, setup_context):
+        self.library_op.register_autograd(backward, setup_context=setup_context)
+        body = self._body
+
+        class EagerFunction(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, *args):
+                out = body(*args)
+                setup_context(ctx, args, out)
+                return out
+
+            @staticmethod
+            def backward(ctx, *grads):
+                return backward(ctx, *grads)
+
+        EagerFunction.__name__ = EagerFunction.__qualname__ = f"{self.library_op._name.replace('::', '_')}_eager"
+        self._function = EagerFunction
+
+    def __getattr__(self, name):  # register_fake, _opoverload, ...: the library op's
+        return getattr(self.library_op, name)
+
+
 def custom_op(name: str, *, mutates_args=()):
-    """Decorator: ``torch.library.custom_op(name)``, the body recorded in OP_BODIES."""
+    """Decorator: ``torch.library.custom_op(name)`` as a TigonOp, the body recorded in OP_BODIES."""
 
     def decorator(fn):
         OP_BODIES[name] = fn
-        return torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+        return TigonOp(torch.library.custom_op(name, mutates_args=mutates_args)(fn), fn, mutates_args)
 
     return decorator
 
 
 def kernel_op(name: str, *, mutates_args=()):
-    """Decorator: ``torch.library.triton_op(name)``, or ``torch.library.custom_op(name)`` under
+    """Decorator: a TigonOp over ``torch.library.triton_op(name)``, or ``torch.library.custom_op(name)`` under
     the interpreter (torch.compile would trace the body with fake tensors into kernels the
     interpreter cannot launch) or with TIGON_TRITON_OPS=0. Eager calls run the same body either
     way. The body launches through ``tigon.ops._internals.launch``; a fake implementation is
     registered on the result as for any custom op."""
     KERNEL_OPS.append(name)
-    register = torch.library.triton_op if _TRITON_OPS and not _INTERPRETER else torch.library.custom_op
+    register = torch.library.triton_op if _TRITON_OPS and not interpreter_enabled() else torch.library.custom_op
 
     def decorator(fn):
         @functools.wraps(fn)
@@ -77,7 +121,7 @@ def kernel_op(name: str, *, mutates_args=()):
         # The schema is inferred from fn's signature, its annotations resolved where fn lives.
         body.__signature__ = inspect.signature(fn, eval_str=True)
         OP_BODIES[name] = body
-        return register(name, mutates_args=mutates_args)(body)
+        return TigonOp(register(name, mutates_args=mutates_args)(body), body, mutates_args)
 
     return decorator
 
@@ -177,8 +221,6 @@ def check_tensor(name: str, t, *, ndim=None, min_ndim=None, floating=True) -> No
     if t.device.type in ("cuda", "meta"):  # meta: a memory-planning trace (fake implementations only)
         return
     if t.device.type == "cpu" and interpreter_enabled():
-        from tigon.ops._internals import triton_imported_before_interpreter
-
         if triton_imported_before_interpreter():
             raise RuntimeError(
                 "TRITON_INTERPRET=1 was set after triton had been imported (transformers, for one, imports "

@@ -26,6 +26,10 @@ when ``TIGON_PRIVATE_APIS=0`` is set (before tigon is imported):
   ``is_causal=True`` under torch.compile (see ``make_ignore_causal_mask_sdpa``). Off: HF's mask.
 - ``triton_imported_before_interpreter``: recognises Triton's library as compiled code when
   TRITON_INTERPRET=1 came too late, for a clear error (no effect on results).
+- ``plain_eager_call``: reads torch's mode stacks (dispatch modes, torch-function modes,
+  torch.func transforms), so that an op call none of them would see runs its body and autograd
+  formula directly (``tigon.ops._common.TigonOp``) instead of through torch's dispatcher. Off
+  (also with ``TIGON_LEAN_EAGER=0``): every call goes through the dispatcher.
 """
 
 from __future__ import annotations
@@ -37,9 +41,15 @@ import os
 import torch
 import triton
 
-from tigon.ops._common import interpreter_enabled
-
 PRIVATE_APIS = os.environ.get("TIGON_PRIVATE_APIS", "1") != "0"
+
+# Triton reads TRITON_INTERPRET when it decorates the kernels (at tigon's import), so it is
+# read once here too.
+_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def interpreter_enabled() -> bool:
+    return _INTERPRETER
 
 
 @functools.lru_cache(maxsize=None)
@@ -248,3 +258,45 @@ def assert_on_device(condition: torch.Tensor, message: str) -> None:
     ``condition`` holds; for traced code, where reading the value on the host is impossible."""
     if PRIVATE_APIS:
         torch._assert_async(condition, message)
+
+
+# ---- eager calls without the dispatcher ----
+#
+# A call of a torch.library op from Python goes through torch's dispatcher and torch.library's
+# Python layers (schema, autograd kernel, redispatch): ~130 us of host time a call on a CPU host
+# here, against ~15 us for the op's body called directly and ~20 us more for an autograd.Function
+# around it (scratch measurement, benchmarks/NOTES.md). A call that no mode, transform or tensor
+# subclass would intercept may skip it: ``plain_eager_call`` says whether one would.
+
+_LEAN_EAGER = PRIVATE_APIS and os.environ.get("TIGON_LEAN_EAGER", "1") == "1"
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_function_mode_on = getattr(torch._C, "_is_torch_function_mode_enabled", None)
+_functorch_level = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+if _dispatch_modes is None or _function_mode_on is None or _functorch_level is None:  # torch moved them
+    _LEAN_EAGER = False
+
+
+def lean_eager_enabled() -> bool:
+    return _LEAN_EAGER
+
+
+def set_lean_eager(enabled: bool) -> None:
+    """Turn the direct eager path of tigon's ops on or off (off: every call through torch's dispatcher)."""
+    global _LEAN_EAGER
+    _LEAN_EAGER = bool(enabled) and None not in (_dispatch_modes, _function_mode_on, _functorch_level)
+
+
+def plain_eager_call(args) -> bool:
+    """Whether an op call with ``args`` is plain eager: not traced by torch.compile, no dispatch
+    mode (fake tensors, FlopCounterMode, a memory-planning trace), no torch-function mode, no
+    torch.func transform, and every tensor argument a plain torch.Tensor / nn.Parameter (no
+    DTensor, no functional or fake tensor), so that torch's dispatcher would run the op's own
+    body and autograd formula, which the caller may then run directly."""
+    if not _LEAN_EAGER or torch.compiler.is_compiling():
+        return False
+    if _dispatch_modes() or _function_mode_on() or _functorch_level() is not None:
+        return False
+    for a in args:
+        if isinstance(a, torch.Tensor) and type(a) not in _PLAIN_TENSORS:
+            return False
+    return True
