@@ -2,7 +2,9 @@
 from the same weights and data: tokens/s, peak memory and losses. Run on a CUDA machine:
 ``PYTHONPATH=src python benchmarks/train_hf.py --shape llama-1b --batch 8 --seq 1024 --steps 20``;
 ``--batches 4 8 16 32`` sweeps the batch size (each implementation until it runs out of memory)
-and plots tokens/s and peak memory against it. An implementation followed by ``+compile``
+and plots tokens/s and peak memory against it; ``--seqs 512 1024 2048`` sweeps the sequence length
+at ``--batch`` instead (the Liger paper's figure). ``--impls`` takes ``tigon`` (``tigon.patch(model)``
+after building) and ``tigon-class`` (``tigon.patch_<family>()`` before building, as Liger's users do). An implementation followed by ``+compile``
 (``hf+compile``, ``tigon+compile``, ``liger+compile``) runs ``model.compile()`` (``--compile-mode``)
 with the batch dimension marked dynamic (one compilation for the whole sweep). ``--isolate`` runs
 each implementation in its own process, so that a crash (a peer's illegal memory access) ends
@@ -81,7 +83,8 @@ def add_setup_args(parser, default_shape="llama-1b"):
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--impls", default="hf,tigon",
-                        help="comma-separated: hf, tigon, liger, each optionally with +compile (e.g. tigon+compile)")
+                        help="comma-separated: hf, tigon (instance patch), tigon-class (class patch before "
+                             "building), liger, each optionally with +compile (e.g. tigon+compile)")
     parser.add_argument("--compile-mode", default="default",
                         choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"])
     return parser
@@ -129,19 +132,23 @@ def liger_skip_reason(model_type):
 def build_model(model_type, shape_kwargs, impl="hf", state=None, chunk_budget=None, compile_mode="default",
                 dtype=torch.bfloat16, checkpointing="all", memory_budget=None):
     """The model (new_model; weights from `state` when given), patched by `impl` ("hf":
-    not at all, "tigon", "liger"; "+compile": then ``model.compile(mode=compile_mode)``), with
+    not at all, "tigon": ``tigon.patch(model)``, "tigon-class": ``tigon.patch_<family>()`` before
+    building, "liger"; "+compile": then ``model.compile(mode=compile_mode)``), with
     HF's gradient checkpointing on every decoder layer (``checkpointing`` "all"), on none
     ("none"), or as tigon's memory planner picks within ``memory_budget`` ("auto": tigon only),
     in train mode: (model, report)."""
     impl, _, compiled = impl.partition("+")
     import tigon
 
-    if checkpointing == "auto" and impl != "tigon":
+    if checkpointing == "auto" and impl != "tigon":  # the planner patches a built model
         raise RuntimeError("skipped: --checkpointing auto is tigon's (tigon.patch(checkpointing='auto'))")
+    report = None
+    if impl == "tigon-class":  # as Liger's users patch: the family's classes, before building
+        family = tigon.patching.BY_MODEL_TYPE[model_type]
+        report = "class patch: " + str(getattr(tigon, f"patch_{family.name}")())
     model = new_model(model_type, shape_kwargs, dtype)
     if state is not None:
         model.load_state_dict(state)
-    report = None
     if impl == "tigon":
         auto = dict(checkpointing="auto", memory_budget=memory_budget) if checkpointing == "auto" else {}
         report = str(tigon.patch(model, chunk_budget=chunk_budget, **auto))
@@ -365,7 +372,7 @@ def run(impl, model_type, shape_kwargs, state, args, batch):
                         graph_break_reasons=sorted(counters["graph_break"])[:5])
     else:
         compiled = {}
-    result = dict(impl=impl, batch=batch, world=world, parallel=parallel,
+    result = dict(impl=impl, batch=batch, seq=args.seq, world=world, parallel=parallel,
                   tokens_per_s=batch * args.seq * steps / seconds, step_s=seconds / steps,
                   steps=steps, first_step_s=first_step_s, **compiled,
                   peak_gib=max(peak_fb, peak_opt) / 2**30, peak_fwd_bwd_gib=peak_fb / 2**30,
@@ -409,20 +416,23 @@ def run_or_oom(impl, model_type, shape_kwargs, state, args, batch):
         import tigon
 
         tigon.unpatch()
-    return dict(impl=impl, batch=batch, error=error)
+    return dict(impl=impl, batch=batch, seq=args.seq, error=error)
 
 
-def plot_sweep(results, path, title, names=None):
-    """tokens/s and peak memory against the batch size, one line per implementation (``names``:
-    legend names of the implementations before their "+compile")."""
+def plot_sweep(results, path, title, names=None, key="batch"):
+    """tokens/s and peak memory against the batch size (``key`` "batch") or the sequence length
+    ("seq"), one line per implementation (``names``: legend names of the implementations before
+    their "+compile")."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
-    names = names or {"hf": "HF", "tigon": "HF + tigon", "liger": "HF + Liger-Kernel"}
-    colours = {"hf": "#7f7f7f", "torchtune": "#7f7f7f", "tigon": "#d62728", "liger": "#2ca02c"}
+    names = names or {"hf": "HF", "tigon": "HF + tigon", "tigon-class": "HF + tigon (class patch)",
+                      "liger": "HF + Liger-Kernel"}
+    colours = {"hf": "#7f7f7f", "torchtune": "#7f7f7f", "tigon": "#d62728", "tigon-class": "#ff7f0e",
+               "liger": "#2ca02c"}
     for impl in dict.fromkeys(r["impl"] for r in results):
         ok = [r for r in results if r["impl"] == impl and "error" not in r]
         if not ok:
@@ -430,16 +440,17 @@ def plot_sweep(results, path, title, names=None):
         base, _, compiled = impl.partition("+")
         style = dict(color=colours.get(base), linestyle="--" if compiled else "-", marker="s" if compiled else "o",
                      label=names.get(base, base) + (" + torch.compile" if compiled else ""))
-        xs = [r["batch"] for r in ok]
+        xs = [r[key] for r in ok]
         ax_t.plot(xs, [r["tokens_per_s"] for r in ok], **style)
         ax_m.plot(xs, [r["peak_gib"] for r in ok], **style)
-        oom = [r["batch"] for r in results if r["impl"] == impl and r.get("error") == "out of memory"]
+        oom = [r[key] for r in results if r["impl"] == impl and r.get("error") == "out of memory"]
         if oom:
             ax_m.axvline(min(oom), color=colours.get(base), linestyle=":", linewidth=1)
     ax_t.set_ylabel("tokens / s (higher is better)")
     ax_m.set_ylabel("peak memory, GiB (lower is better)")
     for ax in (ax_t, ax_m):
-        ax.set_xlabel("batch size (sequences); dotted: first batch out of memory")
+        what = {"batch": "batch size (sequences)", "seq": "sequence length (tokens)"}[key]
+        ax.set_xlabel(f"{what}; dotted: first {key} out of memory")
         ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -452,6 +463,8 @@ def plot_sweep(results, path, title, names=None):
 def main():
     p = add_setup_args(argparse.ArgumentParser())
     p.add_argument("--batches", type=int, nargs="*", help="a batch-size sweep (each implementation until OOM)")
+    p.add_argument("--seqs", type=int, nargs="*",
+                   help="a sequence-length sweep at --batch (each implementation until OOM), as the Liger paper's figure")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--timed-tokens", type=int, default=None,
                    help="timed steps per batch = this many tokens / (batch x seq), at least 3 (instead of --steps)")
@@ -484,6 +497,8 @@ def main():
         return merge_sweeps(args)
     if args.warmup < 2:
         p.error("--warmup must be at least 2 (the first step compiles and allocates)")
+    if args.batches and args.seqs:
+        p.error("--batches and --seqs: sweep one of them (the other is --batch or --seq)")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if (world > 1) != (args.parallel != "none"):
         p.error(f"--parallel {args.parallel} with {world} process(es): run --parallel ddp or fsdp2 under "
@@ -501,39 +516,44 @@ def main():
         sys.stdout = open(os.devnull, "w")
     model_type, shape_kwargs = (TINY_SHAPES if args.tiny else SHAPES)[args.shape]
     state, n_params = initial_state(model_type, shape_kwargs, DTYPES[args.dtype])
-    batches = args.batches or [args.batch]
+    points = sweep_points(args)
+    key = swept(args)
     image = f", one {args.image_size}-pixel image per sequence" if model_type in VISION_LANGUAGE else ""
     across = f", {args.parallel} over {world} GPUs (batch per GPU)" if world > 1 else ""
-    print(f"{args.shape}{' (tiny)' if args.tiny else ''}: {n_params / 1e9:.2f}B parameters, batch {batches} x "
-          f"{args.seq}{image}, {args.dtype}, {_device_name()}{across}", flush=True)
+    sizes = f"batch {args.batch} x seq {args.seqs}" if key == "seq" else f"batch {[b for b, _ in points]} x {args.seq}"
+    print(f"{args.shape}{' (tiny)' if args.tiny else ''}: {n_params / 1e9:.2f}B parameters, {sizes}"
+          f"{image}, {args.dtype}, {_device_name()}{across}", flush=True)
     results, failed = [], set()
-    for batch in batches:
+    for batch, seq in points:
+        args.seq = seq
+        point = f"{key} {batch if key == 'batch' else seq}"
         for impl in args.impls.split(","):
             if impl in failed:
                 continue
             skip = liger_skip_reason(model_type) if impl.partition("+")[0] == "liger" else None
-            r = (dict(impl=impl, batch=batch, error=f"skipped: {skip}") if skip else
+            r = (dict(impl=impl, batch=batch, seq=seq, error=f"skipped: {skip}") if skip else
                  run_or_oom(impl, model_type, shape_kwargs, state, args, batch))
             results.append(r)
             save(args, n_params, results)
             if "error" in r:
                 failed.add(impl)
-                print(f"{impl:6s} batch {batch}: {r['error']}", flush=True)
+                print(f"{impl:6s} {point}: {r['error']}", flush=True)
                 continue
-            print(f"{impl:6s} batch {batch}: {r['tokens_per_s']:9.0f} tokens/s, {r['step_s'] * 1e3:7.1f} ms/step, "
+            print(f"{impl:6s} {point}: {r['tokens_per_s']:9.0f} tokens/s, {r['step_s'] * 1e3:7.1f} ms/step, "
                   f"peak {r['peak_gib']:6.2f} GiB, (fwd+bwd {r['peak_fwd_bwd_gib']:.2f}, optimizer step "
                   f"{r['peak_optimizer_gib']:.2f}), losses {' '.join(f'{x:.4f}' for x in r['losses'][:6])}", flush=True)
-            if r["report"] and batch == batches[0]:
+            if r["report"] and (batch, seq) == points[0]:
                 print(r["report"])
-        base = next((r for r in results if r["impl"] == "hf" and r["batch"] == batch and "error" not in r), None)
-        for r in results:
-            if base and r["batch"] == batch and r["impl"] != "hf" and "error" not in r:
+        here = [r for r in results if (r["batch"], r.get("seq", seq)) == (batch, seq)]
+        base = next((r for r in here if r["impl"] == "hf" and "error" not in r), None)
+        for r in here:
+            if base and r["impl"] != "hf" and "error" not in r:
                 memory = f"{100 * r['peak_gib'] / base['peak_gib']:.0f}%" if base["peak_gib"] else "n/a"
-                print(f"  {r['impl']} / hf at batch {batch}: {r['tokens_per_s'] / base['tokens_per_s']:.2f}x tokens/s, "
+                print(f"  {r['impl']} / hf at {point}: {r['tokens_per_s'] / base['tokens_per_s']:.2f}x tokens/s, "
                       f"{memory} of the peak memory; first losses {_losses(base)} vs {_losses(r)} "
                       f"(largest relative difference {first_loss_difference(base, r):.1e})")
     save(args, n_params, results, final=True)
-    print_table(results)
+    print_table(results, key)
 
 
 def run_isolated(args, script=__file__):
@@ -557,19 +577,19 @@ def run_isolated(args, script=__file__):
             else:
                 argv += ["--out", tmp]
             proc = subprocess.run([sys.executable, script, *argv])
-            name = f"train_{args.shape}" + ("_batch_sweep" if args.batches else "")
+            name = f"train_{args.shape}" + sweep_name(args)
             path = os.path.join(tmp, f"{name}.json")
             child = json.load(open(path)) if os.path.exists(path) else {}
         n_params, device = child.get("params", n_params), child.get("device", device)
         rows = child.get("results", [])
         results += rows
         if proc.returncode != 0:
-            done = {r["batch"] for r in rows}
-            nxt = [b for b in (args.batches or [args.batch]) if b not in done][:1]
-            results += [dict(impl=impl, batch=b, error=f"process died (exit code {proc.returncode})") for b in nxt]
+            done = {(r["batch"], r.get("seq", args.seq)) for r in rows}
+            nxt = [p for p in sweep_points(args) if p not in done][:1]
+            results += [dict(impl=impl, batch=b, seq=t, error=f"process died (exit code {proc.returncode})") for b, t in nxt]
         save(args, n_params or 0, results, device=device or "unknown GPU")
     save(args, n_params or 0, results, final=True, device=device or "unknown GPU")
-    print_table(results)
+    print_table(results, swept(args))
 
 
 def merge_sweeps(args):
@@ -582,10 +602,32 @@ def merge_sweeps(args):
     args.seq = parts[0]["args"]["seq"]
     args.dtype = parts[0]["args"].get("dtype", "bfloat16")
     args.parallel = parts[0]["args"].get("parallel", "none")
-    args.batches = sorted({r["batch"] for part in parts for r in part["results"]})
+    args.seqs = parts[0]["args"].get("seqs")
+    args.batch = parts[0]["args"]["batch"]
+    key = swept(args)
+    if key == "seq":
+        args.seqs = sorted({r["seq"] for part in parts for r in part["results"]})
+    else:
+        args.batches = sorted({r["batch"] for part in parts for r in part["results"]})
     results = [r for part in parts for r in part["results"]]
     save(args, parts[0]["params"], results, final=True, device=parts[0]["device"])
-    print_table(results)
+    print_table(results, key)
+
+
+def swept(args) -> str:
+    """The row key a sweep varies: "seq" with --seqs, else "batch"."""
+    return "seq" if getattr(args, "seqs", None) else "batch"
+
+
+def sweep_points(args) -> list[tuple[int, int]]:
+    """(batch, seq) of each point of the run, in order."""
+    if getattr(args, "seqs", None):
+        return [(args.batch, seq) for seq in args.seqs]
+    return [(batch, args.seq) for batch in args.batches or [args.batch]]
+
+
+def sweep_name(args) -> str:
+    return {"seq": "_seq_sweep", "batch": "_batch_sweep" if args.batches else ""}[swept(args)]
 
 
 FIRST_LOSSES = 3  # the losses printed side by side: the same weights and batches give the same first losses
@@ -601,35 +643,35 @@ def first_loss_difference(base, r):
     return max(abs(a - b) / max(abs(a), 1e-12) for a, b in pairs)
 
 
-def first_losses(results):
-    """{implementation: {batch: its first FIRST_LOSSES losses}} of the runs that trained."""
+def first_losses(results, key="batch"):
+    """{implementation: {batch (or seq, ``key``): its first FIRST_LOSSES losses}} of the runs that trained."""
     out = {}
     for r in results:
         if r.get("losses"):
-            out.setdefault(r["impl"], {})[str(r["batch"])] = r["losses"][:FIRST_LOSSES]
+            out.setdefault(r["impl"], {})[str(r[key])] = r["losses"][:FIRST_LOSSES]
     return out
 
 
-def print_table(results):
-    """tokens/s / peak GiB per batch (rows) and implementation (columns), as markdown, then each
-    implementation's first losses."""
+def print_table(results, key="batch"):
+    """tokens/s / peak GiB per batch or sequence length (``key``; rows) and implementation
+    (columns), as markdown, then each implementation's first losses."""
     impls = list(dict.fromkeys(r["impl"] for r in results))
     print("tokens/s (every token of input_ids) / peak GiB:")
-    print("| batch | " + " | ".join(impls) + " |")
+    print(f"| {key} | " + " | ".join(impls) + " |")
     print("|---" * (len(impls) + 1) + "|")
-    for batch in sorted({r["batch"] for r in results}):
+    for batch in sorted({r[key] for r in results}):
         cells = []
         for impl in impls:
-            r = next((r for r in results if r["impl"] == impl and r["batch"] == batch), None)
+            r = next((r for r in results if r["impl"] == impl and r[key] == batch), None)
             cells.append("" if r is None else r["error"] if "error" in r else
                          f"{r['tokens_per_s']:,.0f} / {r['peak_gib']:.1f}")
         print(f"| {batch} | " + " | ".join(cells) + " |")
-    losses = first_losses(results)
+    losses = first_losses(results, key)
     if losses:
         print(f"\nfirst {FIRST_LOSSES} losses:")
-        print("| batch | " + " | ".join(impls) + " |")
+        print(f"| {key} | " + " | ".join(impls) + " |")
         print("|---" * (len(impls) + 1) + "|")
-        for batch in sorted({r["batch"] for r in results}):
+        for batch in sorted({r[key] for r in results}):
             cells = [", ".join(f"{x:.4f}" for x in losses.get(impl, {}).get(str(batch), [])) for impl in impls]
             print(f"| {batch} | " + " | ".join(cells) + " |")
 
@@ -645,16 +687,18 @@ def save(args, n_params, results, final=False, device=None):
     parallel = getattr(args, "parallel", "none")
     world = max([world] + [r.get("world", 1) for r in results])  # --merge: the runs' world
     name = (f"train_{args.shape}" + (f"_{parallel}x{world}" if parallel != "none" else "")
-            + ("_batch_sweep" if args.batches else ""))
+            + sweep_name(args))
+    key = swept(args)
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(dict(shape=args.shape, params=n_params, args=vars(args), device=device,
-                       torch=torch.__version__, first_losses=first_losses(results), results=results), f, indent=1)
-    if args.batches and final:
+                       torch=torch.__version__, first_losses=first_losses(results, key), results=results), f, indent=1)
+    if (args.batches or key == "seq") and final:
         dtype = {"float32": "fp32"}.get(getattr(args, "dtype", None), "bf16")
+        fixed = f"batch {args.batch}" if key == "seq" else f"seq {args.seq}"
         plot_sweep(results, os.path.join(args.out, f"{name}.png"),
-                   f"{args.shape} ({n_params / 1e9:.2f}B), seq {args.seq}, {dtype}, AdamW, checkpointing "
+                   f"{args.shape} ({n_params / 1e9:.2f}B), {fixed}, {dtype}, AdamW, checkpointing "
                    f"{getattr(args, 'checkpointing', 'all')}, "
-                   f"{device}" + (f"; {parallel} over {world} GPUs, per GPU" if parallel != "none" else ""))
+                   f"{device}" + (f"; {parallel} over {world} GPUs, per GPU" if parallel != "none" else ""), key=key)
 
 
 if __name__ == "__main__":

@@ -91,14 +91,34 @@ def test_tiny_training_patched_matches_hf(shape, tmp_path, monkeypatch, capsys):
                               image_size=train_hf.TINY_IMAGE_SIZE, batches=None, out=str(tmp_path), checkpointing="all",
                               memory_budget=None)
     state, n_params = train_hf.initial_state(model_type, kwargs, torch.float32)
-    results = [train_hf.run_or_oom(impl, model_type, kwargs, state, args, 1) for impl in ("hf", "tigon")]
-    hf, tigon = results
-    assert "error" not in hf and "error" not in tigon, results
-    assert "tigon patched" in tigon["report"]
+    results = [train_hf.run_or_oom(impl, model_type, kwargs, state, args, 1) for impl in ("hf", "tigon", "tigon-class")]
+    hf, tigon, tigon_class = results
+    assert all("error" not in r for r in results), results
+    assert "tigon patched" in tigon["report"] and tigon_class["report"].startswith("class patch")
     assert len(hf["losses"]) == len(tigon["losses"]) == 2  # the second after an AdamW step
     assert train_hf.first_loss_difference(hf, tigon) < 1e-4, (hf["losses"], tigon["losses"])
+    assert tigon_class["losses"] == tigon["losses"]
+    results = results[:2]
     train_hf.save(args, n_params, results, final=True)
     saved = json.loads((tmp_path / f"train_{shape}.json").read_text())
     assert saved["first_losses"] == {"hf": {"1": hf["losses"]}, "tigon": {"1": tigon["losses"]}}
     train_hf.print_table(results)
     assert f"| 1 | {train_hf._losses(hf)} | {train_hf._losses(tigon)} |" in capsys.readouterr().out
+
+
+def test_sequence_sweep_table_json_and_plot(tmp_path, capsys):
+    """--seqs: rows keyed by the sequence length at one batch size, an out-of-memory point kept."""
+    rows = [dict(impl=impl, batch=4, seq=seq, tokens_per_s=1000.0 * seq, peak_gib=seq / 512, losses=[1.0, 0.9, 0.8])
+            for impl in ("hf", "tigon") for seq in (512, 1024)]
+    rows.append(dict(impl="hf", batch=4, seq=2048, error="out of memory"))
+    args = argparse.Namespace(shape="llama-1b", seq=2048, seqs=[512, 1024, 2048], batch=4, batches=None,
+                              out=str(tmp_path), dtype="bfloat16", checkpointing="all")
+    assert train_hf.sweep_points(args) == [(4, 512), (4, 1024), (4, 2048)]
+    train_hf.save(args, 10**9, rows, final=True)
+    saved = json.loads((tmp_path / "train_llama-1b_seq_sweep.json").read_text())
+    assert saved["first_losses"]["tigon"] == {"512": [1.0, 0.9, 0.8], "1024": [1.0, 0.9, 0.8]}
+    assert (tmp_path / "train_llama-1b_seq_sweep.png").stat().st_size > 0
+    train_hf.print_table(rows, "seq")
+    out = capsys.readouterr().out
+    assert "| seq | hf | tigon |" in out and "| 2048 | out of memory |  |" in out
+
