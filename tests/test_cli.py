@@ -47,6 +47,16 @@ def test_bench_rejects_unknown_op_names_before_the_gpu_check(tmp_path):
     assert "no CUDA GPU" not in done.stderr and not out.exists()
 
 
+def test_bench_host_refuses_the_op_suites_arguments(capsys):
+    for argv, flag in ((["bench", "--host", "rms_norm"], "op"), (["bench", "--host", "--quick"], "--quick"),
+                       (["bench", "--host", "--memory-timeline"], "--memory-timeline"),
+                       (["bench", "--host", "--seq", "64"], "--seq")):
+        with pytest.raises(SystemExit) as done:
+            main(argv)
+        assert done.value.code == 2
+        assert f"tigon bench: error: argument {flag}: does not apply to --host" in capsys.readouterr().err
+
+
 def test_version_prints_tigon_and_its_version(capsys):
     import tigon
 

@@ -1,28 +1,16 @@
-"""Host cost per call of tigon's ops: forward + backward on tiny tensors, where the GPU work is
-negligible and the time is what the host spends (Python checks, Triton launches, autograd),
-next to the same computation in eager torch and Liger-Kernel's (when installed), and tigon's ops
-through torch's dispatcher (TIGON_LEAN_EAGER's path off) for comparison. CUDA only:
+"""Host cost of the primitives a tigon call is made of (a Triton launch, an allocation, an
+autograd.Function, ...), then the per-op table of ``tigon bench --host`` (tigon.bench.host). CUDA only:
 ``PYTHONPATH=src python benchmarks/tuning/host_overhead.py [--profile]`` (--profile: cProfile of each
 tigon op, by own time)."""
 
 import sys
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-import tigon.functional as TF
+from tigon.bench import host
 from tigon.bench.harness import host_us_per_call
-from tigon.ops._internals import lean_eager_enabled, set_lean_eager
-
-
-def fwd_bwd(op, *inputs):
-    def run():
-        out = op(*inputs)
-        out = out[0] if isinstance(out, tuple) else out
-        out.sum().backward()
-    return run
 
 
 @triton.jit
@@ -73,90 +61,18 @@ def print_primitives(x):
         print(f"  {name:30s} {host_us_per_call(fn, n=2000):7.1f}", flush=True)
 
 
-def liger_cases(x, w, xl, wl, bl, a, b, q, k, cos, sin, logits, head, target):
-    """Liger-Kernel's autograd Functions on the same tensors, by case name; {} without Liger."""
-    try:
-        from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
-        from liger_kernel.ops.fused_linear_cross_entropy import (
-            LigerFusedLinearCrossEntropyFunction,
-        )
-        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
-        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-        from liger_kernel.ops.rope import LigerRopeFunction
-        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
-    except ImportError:
-        return {}
-    return {
-        "rms_norm": fwd_bwd(lambda: LigerRMSNormFunction.apply(x, w, 1e-6)),
-        "layer_norm": fwd_bwd(lambda: LigerLayerNormFunction.apply(xl, wl, bl, 1e-5)),
-        "cross_entropy": fwd_bwd(lambda: LigerCrossEntropyFunction.apply(logits, target)),
-        "rope": fwd_bwd(lambda: sum(t.sum() for t in LigerRopeFunction.apply(q, k, cos, sin))),
-        "swiglu": fwd_bwd(lambda: LigerSiLUMulFunction.apply(a, b)),
-        "flce": fwd_bwd(lambda: LigerFusedLinearCrossEntropyFunction.apply(x, head, target)),
-    }
-
-
 def main():
-    dev, dt = "cuda", torch.bfloat16
-    tokens, hidden, inter, vocab = 16, 256, 512, 1024
-
-    def leaf(*shape, scale=1.0):
-        return (torch.randn(*shape, device=dev) * scale).to(dt).requires_grad_()
-
-    x, w = leaf(tokens, hidden), leaf(hidden)
-    a, b = leaf(tokens, inter), leaf(tokens, inter)
-    wg, wu, wd = leaf(inter, hidden, scale=0.05), leaf(inter, hidden, scale=0.05), leaf(hidden, inter, scale=0.05)
-    head = leaf(vocab, hidden, scale=0.05)
-    target = torch.randint(0, vocab, (tokens,), device=dev)
-    ids = torch.randint(0, vocab, (tokens,), device=dev)
-    q = leaf(1, 4, tokens, 64)
-    k = leaf(1, 2, tokens, 64)
-    cos = torch.randn(1, tokens, 64, device=dev, dtype=dt)
-    sin = torch.randn(1, tokens, 64, device=dev, dtype=dt)
-
-    def rms_ref(x, w):
-        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dt) * w
-
-    def rot(t):
-        t1, t2 = t.chunk(2, -1)
-        return torch.cat((-t2, t1), -1)
-
-    xl, wl, bl = leaf(tokens, hidden), leaf(hidden), leaf(hidden)
-    logits = leaf(tokens, vocab)
-    liger = liger_cases(x, w, xl, wl, bl, a, b, q, k, cos, sin, logits, head, target)
-    cases = [
-        ("rms_norm", fwd_bwd(lambda: TF.rms_norm(x, w)), fwd_bwd(lambda: rms_ref(x, w))),
-        ("layer_norm", fwd_bwd(lambda: TF.layer_norm(xl, wl, bl)),
-         fwd_bwd(lambda: F.layer_norm(xl, (hidden,), wl, bl))),
-        ("cross_entropy", fwd_bwd(lambda: TF.cross_entropy(logits, target)),
-         fwd_bwd(lambda: F.cross_entropy(logits.float(), target))),
-        ("rope", fwd_bwd(lambda: sum(t.sum() for t in TF.apply_rotary_pos_emb(q, k, cos, sin))),
-         fwd_bwd(lambda: sum((t * cos[:, None] + rot(t) * sin[:, None]).sum() for t in (q, k)))),
-        ("swiglu", fwd_bwd(lambda: TF.swiglu(a, b)), fwd_bwd(lambda: F.silu(a) * b)),
-        ("glu_down_proj", fwd_bwd(lambda: TF.glu_down_proj(a * 1, b * 1, wd, inplace=True)),
-         fwd_bwd(lambda: F.linear(F.silu(a) * b, wd))),
-        ("glu_mlp", fwd_bwd(lambda: TF.glu_mlp(x, wg, wu, wd)),
-         fwd_bwd(lambda: F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd))),
-        ("flce", fwd_bwd(lambda: TF.fused_linear_cross_entropy(x, head, target)),
-         fwd_bwd(lambda: F.cross_entropy(F.linear(x, head).float(), target))),
-        ("embedding", fwd_bwd(lambda: TF.embedding(ids, head)), fwd_bwd(lambda: F.embedding(ids, head))),
-    ]
+    x = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     print_primitives(x)
-    print(f"host cost per forward+backward call, tiny tensors ({tokens} tokens), microseconds")
-    lean = lean_eager_enabled()
-    for name, ours, eager in cases:
-        set_lean_eager(False)
-        dispatched = host_us_per_call(ours)
-        set_lean_eager(lean)
-        peer = f"{host_us_per_call(liger[name]):7.1f}" if name in liger else "    n/a"
-        print(f"  {name:14s} tigon {host_us_per_call(ours):7.1f}   tigon via dispatcher {dispatched:7.1f}   "
-              f"Liger {peer}   eager torch {host_us_per_call(eager):7.1f}", flush=True)
+    print("host cost per forward+backward call, tiny tensors (16 tokens), microseconds (kernel launches)")
+    print(host.table(host.measure("cuda")), flush=True)
     if "--profile" in sys.argv:  # where tigon's host time goes, op by op (cProfile, own time)
         import cProfile
         import io
         import pstats
 
-        for name, ours, _ in cases:
+        for name, impls in host.cases("cuda").items():
+            ours = impls["tigon"]
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(100):

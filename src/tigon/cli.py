@@ -179,6 +179,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     bench.add_argument("--memory-timeline", action="store_true",
                        help="instead of the ops: one training step's memory over time, HF vs tigon, with the "
                             "planner's prediction (PNG)")
+    bench.add_argument("--host", action="store_true",
+                       help="instead of the ops' GPU time: host microseconds and kernel launches per fwd+bwd call "
+                            "at launch-bound sizes, tigon vs tigon through torch's dispatcher vs Liger vs torch "
+                            "(host.md, host.json)")
     bench.add_argument("--model", help="--memory-timeline's model: a shape name, a config folder or a hub id "
                                        f"(default {TIMELINE_DEFAULTS['model']})")
     bench.add_argument("--batch", type=_positive_int,
@@ -230,7 +234,13 @@ def _bench(args) -> int:
     from tigon.bench.ops import unknown_op_error
 
     # Before the GPU check: a typo is reported on any machine.
-    if args.memory_timeline:
+    if args.host:
+        for flag, given in (("op", args.ops), ("--quick", args.quick), ("--memory-timeline", args.memory_timeline),
+                            *((f"--{name}", getattr(args, name) is not None) for name in TIMELINE_DEFAULTS)):
+            if given:
+                raise BadArgument(flag, "does not apply to --host (it measures its own fixed set of ops): drop one "
+                                        "or the other")
+    elif args.memory_timeline:
         for flag, given in (("op", args.ops), ("--quick", args.quick), ("--verbose", args.verbose)):
             if given:
                 raise BadArgument(flag, f"{'op names apply' if flag == 'op' else 'applies'} to the op suite, not "
@@ -251,6 +261,12 @@ def _bench(args) -> int:
         print("tigon bench measures GPU kernels: torch sees no CUDA GPU here (`tigon demo` runs on the CPU).",
               file=sys.stderr)
         return 2
+    if args.host:
+        from tigon.bench.host import run as run_host
+
+        run_host(args.out)
+        print(f"wrote {args.out}/host.md and host.json")
+        return 0
     if args.memory_timeline:
         from tigon.bench.memory_timeline import run as run_timeline
 

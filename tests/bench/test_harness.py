@@ -118,3 +118,20 @@ def test_merge_replaces_a_rerun_case(tmp_path):
     merge_results([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "m"))
     rows = json.load(open(tmp_path / "m" / "ops.json"))["rows"]
     assert [(r["shape"], r["impl"], r["error"]) for r in rows] == [("V2", "tigon", None), ("V1", "tigon", None)]
+
+
+def test_host_cost_rows_and_table(kernels):
+    """tigon bench --host's measurement on whatever runs the kernels (the interpreter here): a row
+    per op and implementation, tigon's direct path and the dispatcher's both measured."""
+    from tigon.bench import host
+
+    rows = host.measure(kernels, n=1, launches=False, warmup=0, repeats=1)
+    ops = {r["op"] for r in rows}
+    assert ops == {"rms_norm", "layer_norm", "rope", "swiglu", "cross_entropy", "fused_linear_cross_entropy"}
+    for op in ops:
+        impls = {r["impl"] for r in rows if r["op"] == op}
+        assert {"tigon", "tigon via dispatcher", "torch eager"} <= impls
+    assert all(r["host_us"] > 0 for r in rows)
+    text = host.table(rows)
+    assert text.splitlines()[0].startswith("| op (fwd + bwd, 16 tokens) | tigon | tigon via dispatcher |")
+    assert len(text.splitlines()) == 2 + len(ops)
