@@ -30,6 +30,9 @@ def _fresh_dynamo():
     yield
     tigon.unpatch()
     torch._dynamo.reset()
+    # A test that set error_on_recompile must leave it as it found it (it once leaked into the
+    # next test of the process, which legitimately recompiles).
+    assert not torch._dynamo.config.error_on_recompile
 
 
 def patched_pair(model_type, checkpointing=False, **overrides):
@@ -208,14 +211,14 @@ def test_compiled_training_neither_breaks_nor_recompiles_however_applied(way, ch
             compiled(input_ids=ids, labels=labels).loss.backward()
             opt.step()
             if step == 0:
-                first, torch._dynamo.config.error_on_recompile = counter.frame_count, True
+                first = counter.frame_count
+                monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)  # undone after the test
         monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", False)
         assert counter.frame_count == first
         return first, sum(counters["graph_break"].values())
 
     if checkpointing not in _HF_GRAPHS:  # HF's own model, once per checkpointing setting
         _HF_GRAPHS[checkpointing] = graphs_and_breaks(built_the_way("none", checkpointing=checkpointing))
-        monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", False)
     tigon.patching.forwards._ACTIVATION_OF.clear()  # the activation found anew, as in a fresh process
     assert graphs_and_breaks(built_the_way(way, checkpointing=checkpointing)) == _HF_GRAPHS[checkpointing]
 
