@@ -69,9 +69,9 @@ def pytest_collection_modifyitems(config, items):
     part = config.getoption("--part")
     if part:
         k, n = _part(part)
-        dropped = [item for item in items if zlib.crc32(item.nodeid.encode()) % n != k - 1]
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = [item for item in items if zlib.crc32(item.nodeid.encode()) % n == k - 1]
+        mine = {item.nodeid for item in items if zlib.crc32(item.nodeid.encode()) % n == k - 1}
+        config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in mine])
+        items[:] = [item for item in items if item.nodeid in mine]
     for item in items:
         if "gpu" in item.keywords and helpers.DEVICE != "cuda":
             item.add_marker(pytest.mark.skip(reason="GPU-only case (run with --gpu on a CUDA machine)"))

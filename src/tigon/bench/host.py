@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 import tigon.functional as TF
+from tigon.bench.harness import host_us_per_call
 from tigon.ops import _internals
 
 TOKENS, HIDDEN, INTERMEDIATE, VOCAB, HEAD_DIM = 16, 256, 512, 1024, 64
@@ -106,27 +106,6 @@ def cases(device, dtype=torch.bfloat16) -> dict[str, dict[str, Callable]]:
     return out
 
 
-def _sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-def host_us(fn: Callable, device, n: int = 300, warmup: int = 20, repeats: int = 5) -> float:
-    """Microseconds a call, the best of ``repeats`` runs of ``n`` calls synchronized only at their
-    ends (the best: the host's cost without the machine's other work)."""
-    for _ in range(warmup):
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        _sync(device)
-        best = min(best, (time.perf_counter() - start) / n)
-    return best * 1e6
-
-
 def kernel_launches(fn: Callable, device) -> int | None:
     """GPU kernels one call launches (torch.profiler's CUDA kernel events); None off CUDA."""
     if torch.device(device).type != "cuda":
@@ -143,7 +122,7 @@ def kernel_launches(fn: Callable, device) -> int | None:
 
 
 def measure(device="cuda", n: int = 300, launches: bool = True, warmup: int = 20, repeats: int = 5) -> list[dict]:
-    """One row per (op, implementation): host microseconds (host_us's ``n``, ``warmup``,
+    """One row per (op, implementation): host microseconds (host_us_per_call's ``n``, ``warmup``,
     ``repeats``) and kernel launches per fwd+bwd call."""
     rows = []
     lean = _internals.lean_eager_enabled()
@@ -151,7 +130,7 @@ def measure(device="cuda", n: int = 300, launches: bool = True, warmup: int = 20
         for impl, fn in impls.items():
             _internals.set_lean_eager(lean and impl != "tigon via dispatcher")
             try:
-                rows.append(dict(op=op, impl=impl, host_us=host_us(fn, device, n=n, warmup=warmup, repeats=repeats),
+                rows.append(dict(op=op, impl=impl, host_us=host_us_per_call(fn, n, warmup, repeats, device),
                                  launches=kernel_launches(fn, device) if launches else None))
             finally:
                 _internals.set_lean_eager(lean)

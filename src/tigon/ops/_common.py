@@ -34,8 +34,6 @@ def set_poison_outputs(enabled: bool) -> None:
     _POISON_OUTPUTS = bool(enabled)
 
 
-
-
 # Ops whose bodies only check arguments, allocate and launch tigon's kernels are registered with
 # torch.library.triton_op: torch.compile then traces the body and Inductor launches the kernels
 # from its generated code, so a compiled step runs none of tigon's Python per call (~130-580 us

@@ -268,12 +268,11 @@ def assert_on_device(condition: torch.Tensor, message: str) -> None:
 # around it (scratch measurement, benchmarks/NOTES.md). A call that no mode, transform or tensor
 # subclass would intercept may skip it: ``plain_eager_call`` says whether one would.
 
-_LEAN_EAGER = PRIVATE_APIS and os.environ.get("TIGON_LEAN_EAGER", "1") == "1"
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _function_mode_on = getattr(torch._C, "_is_torch_function_mode_enabled", None)
 _functorch_level = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
-if _dispatch_modes is None or _function_mode_on is None or _functorch_level is None:  # torch moved them
-    _LEAN_EAGER = False
+_LEAN_EAGER_POSSIBLE = None not in (_dispatch_modes, _function_mode_on, _functorch_level)  # else torch moved them
+_LEAN_EAGER = PRIVATE_APIS and os.environ.get("TIGON_LEAN_EAGER", "1") == "1" and _LEAN_EAGER_POSSIBLE
 
 
 def lean_eager_enabled() -> bool:
@@ -283,7 +282,7 @@ def lean_eager_enabled() -> bool:
 def set_lean_eager(enabled: bool) -> None:
     """Turn the direct eager path of tigon's ops on or off (off: every call through torch's dispatcher)."""
     global _LEAN_EAGER
-    _LEAN_EAGER = bool(enabled) and None not in (_dispatch_modes, _function_mode_on, _functorch_level)
+    _LEAN_EAGER = bool(enabled) and _LEAN_EAGER_POSSIBLE
 
 
 def plain_eager_call(args) -> bool:

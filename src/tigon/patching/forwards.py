@@ -537,12 +537,17 @@ def make_capturing_head_forward(forward):
     return head_forward
 
 
+def captures_loss(head) -> bool:
+    """Whether ``head``'s forward is the capturing one (make_capturing_head_forward)."""
+    return getattr(head.forward, "_tigon", None) == CAPTURING_HEAD
+
+
 @contextlib.contextmanager
 def _capturing_head(head: nn.Module, captured: dict):
     """The head computes ``captured["loss_of"]`` of its input into ``captured["loss"]`` for the
     block (``_captured``), by the head's capturing
     forward when the patcher set one, else by a forward swapped in for the block."""
-    if getattr(head.forward, "_tigon", None) == CAPTURING_HEAD:
+    if captures_loss(head):
         before, _HEAD_CAPTURE.into = _HEAD_CAPTURE.into, captured
         try:
             yield
@@ -707,9 +712,8 @@ def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mo
         return_dict = call.pop("return_dict", None)
         call["labels"] = None
         head = self.get_output_embeddings()
-        if (mode == "flce" and capture_head is not None and not torch.compiler.is_compiling()
-                and getattr(head.forward, "_tigon", None) != CAPTURING_HEAD):
-            capture_head(self)
+        if mode == "flce" and capture_head is not None and not torch.compiler.is_compiling():
+            capture_head(self)  # once: a no-op on a model whose head already captures
 
         generated = not composite and all(call.get(name) is None for name in (
             "position_ids", "attention_mask", "past_key_values", "cache", "inputs_embeds"))

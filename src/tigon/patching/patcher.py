@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import importlib
 import inspect
 import logging
@@ -38,7 +37,6 @@ from tigon.ops._internals import PRIVATE_APIS
 from tigon.patching.checkpointing import CheckpointingPolicy, check_checkpointing, make_checkpointing_forward
 from tigon.patching.families import BY_MODEL_TYPE, FAMILIES, Family
 from tigon.patching.forwards import (
-    CAPTURING_HEAD,
     IGNORE_CAUSAL_MASK_PARAMS,
     MOE_EXPERTS,
     TigonPatchError,
@@ -48,6 +46,7 @@ from tigon.patching.forwards import (
     fused_experts_blocker,
     hf_default_gate,
     identify_activation,
+    captures_loss,
     make_capturing_head_forward,
     make_causal_lm_forward,
     make_experts_forward,
@@ -398,7 +397,7 @@ def _capture_head(lm: nn.Module, undo: list | None = None) -> None:
     """The output head of ``lm`` computes the patched forward's fused loss from its input
     (make_capturing_head_forward): set once on the instance, never swapped per call."""
     head = lm.get_output_embeddings()
-    if isinstance(head, nn.Module) and getattr(head.forward, "_tigon", None) != CAPTURING_HEAD:
+    if isinstance(head, nn.Module) and not captures_loss(head):
         _set_instance(head, "forward", make_capturing_head_forward(_forward_before_tigon(head)),
                       [] if undo is None else undo)
 
@@ -408,7 +407,10 @@ def _init_preparing(lm_class: type, init, mlp_classes: tuple, mode: str):
     model prepared for a class patch: its MLPs' activations identified, and with mode "flce" its
     head's loss capture set."""
     def __init__(self, *args, **kwargs):
-        (super(lm_class, self).__init__ if init is _MISSING else functools.partial(init, self))(*args, **kwargs)
+        if init is _MISSING:
+            super(lm_class, self).__init__(*args, **kwargs)
+        else:
+            init(self, *args, **kwargs)
         for module in self.modules():
             if isinstance(module, mlp_classes):
                 fused_activation(module)
