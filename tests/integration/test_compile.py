@@ -125,18 +125,53 @@ def test_one_compilation_for_every_batch_and_sequence_length():
     pytest.param("max-autotune-no-cudagraphs", marks=pytest.mark.exhaustive),
 ])
 def test_compile_modes_train(mode):
-    """CUDA graphs (reduce-overhead) and autotuned Inductor kernels: steps run and match eager."""
-    _, model = patched_pair("llama")
+    """CUDA graphs (reduce-overhead) and autotuned Inductor kernels: steps run and match eager,
+    and no graph is left out of CUDA graphs ("skipping cudagraphs") where HF's own is not."""
+    from torch._dynamo.utils import counters
+
+    def skips_and_loss(model):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, mode=mode)
+        for _ in range(3):  # CUDA graphs are recorded on a later step than the first
+            model.zero_grad(set_to_none=True)
+            loss = compiled(input_ids=ids, labels=labels).loss
+            loss.backward()
+        return counters["inductor"]["cudagraph_skips"], loss.item()
+
+    ref, model = patched_pair("llama")
     twin = copy.deepcopy(model)
     ids, labels = batch(model.config.vocab_size)
-    compiled = torch.compile(model, mode=mode)
-    for _ in range(3):  # CUDA graphs are recorded on a later step than the first
-        model.zero_grad(set_to_none=True)
-        loss = compiled(input_ids=ids, labels=labels).loss
-        loss.backward()
+    hf_skips, _ = skips_and_loss(ref)
+    skips, loss = skips_and_loss(model)
     eager_loss = twin(input_ids=ids, labels=labels).loss
-    assert abs(loss.item() - eager_loss.item()) <= 1e-4 * abs(eager_loss.item())
+    assert abs(loss - eager_loss.item()) <= 1e-4 * abs(eager_loss.item())
+    assert skips == hf_skips, f"{skips} graphs skipped CUDA graphs, HF's own model {hf_skips}"
     assert DEVICE == "cuda"
+
+
+# The one tigon op a compiled step still calls as Python: the chunked loss (see
+# tigon.ops.fused_linear_cross_entropy for why it is not a triton_op).
+OPAQUE_UNDER_INDUCTOR = ("fused_linear_cross_entropy",)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_inductor_launches_the_kernels_of_a_compiled_step(model_type, checkpointing):
+    """In Inductor's code for a compiled training step (forward and backward) the norms, RoPE,
+    the MLP and the embedding are kernels Inductor launches itself: no call of a tigon op is
+    left but the loss's."""
+    from torch._inductor.utils import run_and_get_code
+
+    _, model = patched_pair(model_type, checkpointing)
+    ids, labels = batch(model.config.vocab_size)
+    compiled = torch.compile(model)
+    _, codes = run_and_get_code(lambda: compiled(input_ids=ids, labels=labels).loss.backward())
+    calls = {line.split("torch.ops.tigon.")[1].split("(")[0] for code in codes for line in code.splitlines()
+             if "torch.ops.tigon." in line}
+    assert {c for c in calls if not c.startswith(OPAQUE_UNDER_INDUCTOR)} == set(), sorted(calls)
+    assert any("rms_norm" in code for code in codes)
 
 
 def built_the_way(way, model_type="llama", checkpointing=False):

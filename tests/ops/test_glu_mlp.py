@@ -166,3 +166,33 @@ def test_gated_mlp_under_checkpoint_compiles_without_graph_breaks(monkeypatch):
     # dx accumulation; compiled: autograd's): gradients up to 6.5e-5 apart elementwise (H100).
     assert_compiles_like_eager(loss, [x], rel=pick(cpu=None, gpu=1e-5))
     assert len(input_only_calls) == 2  # eager: the forward and checkpoint's recomputation
+
+
+@pytest.mark.parametrize("need", ["all", "x only", "weights only"])
+def test_traced_formulas_match_the_sliced_ones(need):
+    """The whole-buffer formulas the triton_ops trace for Inductor (traced_glu_mlp_*,
+    traced_glu_down_backward; on the CPU the ops are plain custom ops, so they are called here
+    directly) give the sliced eager path's outputs and gradients."""
+    need_x, need_w = need != "weights only", need != "x only"
+    x = randn((*TOKENS, HIDDEN), torch.float32)
+    wg, wu, wd = make_weights(torch.float32, requires_grad=False)
+    dout = randn((*TOKENS, HIDDEN), torch.float32)
+    multipliers, mm, x2, dout2 = (0.7, 1.3), torch.float32, x.reshape(-1, HIDDEN), dout.reshape(-1, HIDDEN)
+    sliced = glu_mlp.glu_mlp_forward(x, wg, wu, wd, "gelu_tanh", multipliers, mm, SLICE)
+    whole = glu_mlp.traced_glu_mlp_forward(x2, wg, wu, wd, "gelu_tanh", multipliers)
+    torch.testing.assert_close(whole, sliced.reshape(whole.shape), rtol=1e-5, atol=1e-5)
+    want = glu_mlp.glu_mlp_backward(dout, x, wg, wu, wd, "gelu_tanh", multipliers, mm, SLICE, need_x, need_w, need_w,
+                                    need_w)
+    got = glu_mlp.traced_glu_mlp_backward(dout2, x2, wg, wu, wd, "gelu_tanh", multipliers, need_x, need_w, need_w,
+                                          need_w)
+    for g, w in zip(got, want, strict=True):
+        assert (g is None) == (w is None)
+        if w is not None:
+            torch.testing.assert_close(g, w.reshape(g.shape), rtol=1e-4, atol=1e-5)
+    a, b = x2 @ wg.t(), x2 @ wu.t()
+    want = glu_mlp.glu_down_backward(dout, a, b, wd, None, "gelu_tanh", multipliers, mm, SLICE, need_x, need_w, False)
+    got = glu_mlp.traced_glu_down_backward(dout2, a, b, wd, "gelu_tanh", multipliers, mm, need_x, need_w)
+    for g, w in zip(got, want[:3], strict=True):
+        assert (g is None) == (w is None)
+        if w is not None:
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)

@@ -137,7 +137,47 @@ def moe_experts_case(batch):
     return fn, [x, w, gate_up, down]
 
 
+def cross_entropy_case(batch, reduction):
+    """Every fourth row ignored; with z-loss and smoothing (the kernel's float arguments)."""
+    x = randn((batch, 5, HIDDEN), torch.float32, scale=2.0, requires_grad=True)
+
+    def fn(x):
+        rows = torch.arange(x.shape[0] * x.shape[1], device=x.device)
+        target = torch.where(rows % 4 == 1, -100, rows * 7 % HIDDEN)
+        return TF.cross_entropy(x * 1.0, target.view(x.shape[:-1]), reduction=reduction, label_smoothing=0.1,
+                                lse_square_scale=1e-3)
+    return fn, [x]
+
+
+def embedding_case(batch):
+    """Repeated ids (the backward's sorted runs), one row of padding_idx."""
+    weight = randn((11, HIDDEN), torch.float32, requires_grad=True)
+
+    def fn(weight):
+        ids = (torch.arange(batch * 5, device=weight.device) * 3 % 11).view(batch, 5)
+        return TF.embedding(ids, weight * 1.0, padding_idx=4)
+    return fn, [weight]
+
+
+def glu_down_case(batch):
+    a, b = (randn((batch, 5, 3 * HIDDEN), torch.float32, requires_grad=True) for _ in range(2))
+    w = randn((HIDDEN, 3 * HIDDEN), torch.float32, scale=0.1, requires_grad=True)
+    return lambda a, b, w: TF.glu_down_proj(a * 1.0, b, w, activation="gelu_tanh"), [a, b, w]
+
+
+def glu_mlp_case(batch):
+    x = randn((batch, 5, HIDDEN), torch.float32, requires_grad=True)
+    wg, wu = (randn((3 * HIDDEN, HIDDEN), torch.float32, scale=HIDDEN**-0.5, requires_grad=True) for _ in range(2))
+    wd = randn((HIDDEN, 3 * HIDDEN), torch.float32, scale=(3 * HIDDEN) ** -0.5, requires_grad=True)
+    return lambda x, wg, wu, wd: TF.glu_mlp(x * 1.0, wg, wu, wd, "silu"), [x, wg, wu, wd]
+
+
 CASES = {
+    "cross_entropy mean": (lambda b: cross_entropy_case(b, "mean"), {"tigon::cross_entropy"}),
+    "cross_entropy none": (lambda b: cross_entropy_case(b, "none"), {"tigon::cross_entropy"}),
+    "embedding": (embedding_case, {"tigon::embedding", "tigon::embedding_backward"}),
+    "glu_down": (glu_down_case, {"tigon::glu_down", "tigon::glu_down_backward"}),
+    "glu_mlp": (glu_mlp_case, {"tigon::glu_mlp", "tigon::glu_mlp_backward"}),
     "group_norm": (group_norm_case, {"tigon::group_norm", "tigon::group_norm_backward"}),
     "dyt": (dyt_case, {"tigon::dyt", "tigon::dyt_backward"}),
     "poly_norm": (poly_norm_case, {"tigon::poly_norm", "tigon::poly_norm_backward"}),

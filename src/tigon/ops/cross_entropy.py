@@ -45,13 +45,14 @@ from tigon.ops._common import (
     check_tensor,
     custom_op,
     fake_grad,
+    kernel_op,
     new_output,
     next_pow2,
     or_empty,
     thread_flag,
     traced,
 )
-from tigon.ops._internals import graph_retained, launch
+from tigon.ops._internals import assert_on_device, graph_retained, launch
 from tigon.ops._jit_math import tanh_and_sech2
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -190,6 +191,11 @@ def cross_entropy_kernel(
     the probabilities exp(z - m) / s, never z - lse: lse rounded at the logits' magnitude (1e4
     in fp32) would cost the gradient its low bits. TOKEN_SCALING multiplies the row's loss,
     z-loss and gradient by p(target) (a constant: no gradient flows through it)."""
+    # Inductor passes Python floats as fp64 scalars (Triton's own launch: fp32); fp64 would
+    # promote the row's math to fp64.
+    label_smoothing = tl.cast(label_smoothing, tl.float32)
+    lse_square_scale = tl.cast(lse_square_scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
     offs = tl.arange(0, BLOCK_V)
     for task in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = tl.cast(task, tl.int64)
@@ -457,7 +463,10 @@ def check_label_range(target, n_classes, ignore_index, defer=False) -> None:
     Real implementations only (not on meta: a memory-planning trace has no labels to read)."""
     if CHECK_LABELS and target.numel() and not capturing() and not target.is_meta:
         bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
-        if target.is_cuda and defer:
+        if traced(target):  # a triton_op body traced by torch.compile: no host read possible
+            assert_on_device(~bad.any(), f"target holds a label outside [0, {n_classes}) and not "
+                                         f"ignore_index={ignore_index}")
+        elif target.is_cuda and defer:
             _queue_label_check(bad, target, n_classes, ignore_index)
         elif bool(bad.any()):
             first = target[bad][0].item()
@@ -622,7 +631,7 @@ def _cross_entropy(logits2, target, opts: CrossEntropyOptions, grad):
     return op_loss_outputs(loss_rows, z_rows, predicted, norms, target, opts, logits2)
 
 
-@custom_op("tigon::cross_entropy", mutates_args=())
+@kernel_op("tigon::cross_entropy", mutates_args=())
 def cross_entropy_op(logits: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float,
                      class_weight: Optional[Tensor], lse_square_scale: float, softcap: Optional[float],
                      use_token_scaling: bool, return_z_loss: bool, return_token_accuracy: bool,
@@ -634,7 +643,8 @@ def cross_entropy_op(logits: Tensor, target: Tensor, ignore_index: int, reductio
     opts = CrossEntropyOptions(ignore_index, reduction, label_smoothing, class_weight, lse_square_scale, softcap,
                                use_token_scaling, return_z_loss, return_token_accuracy, return_predicted_tokens,
                                defer_label_check)
-    check_option_values(opts)
+    if not traced(logits):  # traced (a triton_op under torch.compile): the functional entry checked them
+        check_option_values(opts)
     _check_cross_entropy_args(logits, target, opts)
     logits2 = logits if logits.stride(-1) == 1 else logits.contiguous()
     grad = new_output(logits2.shape, logits2.dtype, logits2.device) if compute_grad else None

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from tigon.ops._common import cdiv, check_same_device, check_tensor, custom_op, next_pow2
+from tigon.ops._common import cdiv, check_same_device, check_tensor, kernel_op, next_pow2
 from tigon.ops._internals import engine_will_run, launch
 
 # Sorted rows summed per loop step: one [ROWS, BLOCK_H] tile, masked to the token's rows.
@@ -179,7 +179,7 @@ def check_padding_idx(padding_idx) -> None:
 
 # ---- custom ops: torch.ops.tigon.embedding and its backward ----
 
-@custom_op("tigon::embedding", mutates_args=())
+@kernel_op("tigon::embedding", mutates_args=())
 def embedding_op(ids: Tensor, weight: Tensor, padding_idx: Optional[int]) -> Tensor:
     """weight[ids]: ids [...] integer, weight [V, H] -> [..., H] in weight's dtype. ``padding_idx``
     rows get no gradient."""
@@ -194,7 +194,7 @@ def _(ids, weight, padding_idx):
     return weight.new_empty((*ids.shape, weight.shape[1]))
 
 
-@custom_op("tigon::embedding_backward", mutates_args=())
+@kernel_op("tigon::embedding_backward", mutates_args=())
 def embedding_backward_op(grad_out: Tensor, ids: Tensor, n_embeddings: int, padding_idx: Optional[int]) -> Tensor:
     """The weight's gradient [n_embeddings, H] (grad_out's dtype) of the embedding of ids [...],
     for grad_out [..., H]; rows of ``padding_idx`` (in [0, n_embeddings)) stay zero."""

@@ -212,6 +212,13 @@ def _fake_gradient_outputs(x, weight, accum_dtype, need_dx, need_dw, need_db):
 #
 # Schema: x, weight, target, bias, then CrossEntropyOptions' fields in order (as
 # tigon::cross_entropy's), chunk_budget (bytes), accum_dtype, and which gradients to form.
+#
+# Plain custom ops, not kernel_op's triton_ops, so Inductor calls them as opaque Python (one call
+# a step, forward and backward): traced, the body's loop over row chunks would specialize the
+# graph on the token count (a recompile per new sequence length, then eager once the cache is
+# full), and its per-chunk writes into slices of dx and accumulation into dw would be
+# functionalized into copies of those buffers. Untraced, the chunk loop allocates one chunk of
+# logits at a time, the point of the op.
 
 @custom_op("tigon::fused_linear_cross_entropy", mutates_args=())
 def fused_linear_cross_entropy_op(

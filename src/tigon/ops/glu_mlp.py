@@ -51,9 +51,11 @@ from tigon.ops._common import (
     check_tensor,
     custom_op,
     fake_grad,
+    kernel_op,
     matmul_dtype,
     new_output,
     or_empty,
+    traced,
 )
 from tigon.ops._internals import checkpoint_recompute_stops_after, in_checkpoint_recomputation, under_checkpoint
 from tigon.ops.glu import check_activation, check_glu_args, glu_backward, glu_forward, glu_op
@@ -135,11 +137,13 @@ def glu_down_forward(a2, b2, w, bias, activation, multipliers, mm):
     if bias is not None and multipliers[1] != 1.0:
         bias = bias * multipliers[1]
     n_rows = a2.shape[0]
-    step = down_proj_slice_rows(n_rows)
     bias_mm = None if bias is None else _as(bias, mm)
-    if step >= n_rows:
+    # Traced (the triton_op under torch.compile): one slice, no loop over a symbolic row count
+    # (it would specialize the graph on the token count); Inductor plans the memory.
+    if traced(a2) or down_proj_slice_rows(n_rows) >= n_rows:
         c = glu_forward(a2, b2, activation, gate_multiplier=multipliers[0], out_multiplier=multipliers[1])
         return F.linear(_as(c, mm), _as(w, mm), bias_mm)
+    step = down_proj_slice_rows(n_rows)
     w_t = _as(w, mm).t()
     out = torch.empty((n_rows, w.shape[0]), dtype=mm, device=a2.device)
     for start in range(0, n_rows, step):
@@ -154,6 +158,20 @@ def glu_down_forward(a2, b2, w, bias, activation, multipliers, mm):
     return out
 
 
+def traced_glu_down_backward(dout2, a2, b2, w, activation, multipliers, mm, need_ab, need_w):
+    """(da, db, d_weight) of glu_down_forward for the triton_op under torch.compile, None where not
+    needed: whole buffers, no writes into slices of others (functionalization would copy each
+    such slice); Inductor plans the memory."""
+    da = db = d_weight = None
+    if need_w:
+        c = glu_forward(a2, b2, activation, gate_multiplier=multipliers[0], out_multiplier=multipliers[1])
+        d_weight = (dout2.t() @ _as(c, mm)).to(w.dtype)
+    if need_ab:
+        da, db = glu_backward(dout2 @ _as(w, mm), a2, b2, activation, gate_multiplier=multipliers[0],
+                              out_multiplier=multipliers[1])
+    return da, db, d_weight
+
+
 def glu_down_backward(dout, a, b, w, bias, activation, multipliers, mm, slice_columns, need_ab, need_w, need_bias,
                       inplace=False):
     """(da, db, d_weight, d_bias) of glu_down_forward, each None when not needed; with ``inplace``
@@ -166,6 +184,9 @@ def glu_down_backward(dout, a, b, w, bias, activation, multipliers, mm, slice_co
     d_bias = da = db = d_weight = None
     if need_bias:
         d_bias = (dout2.sum(0, dtype=torch.float32) * down_multiplier).to(bias.dtype)
+    if traced(dout, a, b):
+        da, db, d_weight = traced_glu_down_backward(dout2, a2, b2, w, activation, multipliers, mm, need_ab, need_w)
+        return (da.view(a.shape) if need_ab else None, db.view(a.shape) if need_ab else None, d_weight, d_bias)
     if need_w:
         d_weight = new_output(w.shape, w.dtype, w.device)
     if need_ab:
@@ -228,7 +249,7 @@ def check_slice_columns(slice_columns):
 # default slices of this file's policy.
 
 
-@custom_op("tigon::glu_down", mutates_args=())
+@kernel_op("tigon::glu_down", mutates_args=())
 def glu_down_op(a: Tensor, b: Tensor, down_weight: Tensor, down_bias: Optional[Tensor], activation: str,
                 gate_multiplier: float, down_multiplier: float, matmul_dtype: torch.dtype, inplace: bool,
                 slice_columns: int) -> Tensor:
@@ -248,7 +269,7 @@ def _(a, b, down_weight, down_bias, activation, gate_multiplier, down_multiplier
     return a.new_empty((*a.shape[:-1], down_weight.shape[0]), dtype=matmul_dtype)
 
 
-@custom_op("tigon::glu_down_backward", mutates_args=())
+@kernel_op("tigon::glu_down_backward", mutates_args=())
 def glu_down_backward_op(dout: Tensor, a: Tensor, b: Tensor, down_weight: Tensor, down_bias: Optional[Tensor],
                          activation: str, gate_multiplier: float, down_multiplier: float, matmul_dtype: torch.dtype,
                          slice_columns: int, need_ab: bool, need_weight: bool, need_bias: bool
@@ -362,10 +383,13 @@ def gate_up_slice(x2, wg, wu, cols):
 
 
 def glu_mlp_forward(x, gate_weight, up_weight, down_weight, activation, multipliers, mm, slice_columns):
-    """out [..., H] contiguous in ``mm``, gate and up formed in column slices. Autocast must be off."""
+    """out [..., H] contiguous in ``mm``, gate and up formed in column slices (traced: whole, see
+    traced_glu_mlp_forward). Autocast must be off."""
     n_rows, n_cols = math.prod(x.shape[:-1]), gate_weight.shape[0]
     x2 = _as(as_rows(x), mm)
     wg, wu, wd = _as(gate_weight, mm), _as(up_weight, mm), _as(down_weight, mm)
+    if traced(x2):
+        return traced_glu_mlp_forward(x2, wg, wu, wd, activation, multipliers).view(*x.shape[:-1], wd.shape[0])
     forward_columns = slice_columns or mlp_slice_columns(n_rows, n_cols, mm.itemsize)
     c = torch.empty((n_rows, n_cols), dtype=mm, device=x.device)
     for cols in column_slices(n_cols, forward_columns):
@@ -377,6 +401,31 @@ def glu_mlp_forward(x, gate_weight, up_weight, down_weight, activation, multipli
     return (c @ wd.t()).view(*x.shape[:-1], wd.shape[0])
 
 
+# Traced (the triton_op under torch.compile): the whole intermediate at once, no writes into
+# slices of other buffers (functionalization would copy each such slice) and no loop whose
+# length follows the token count (it would specialize the graph on it); Inductor plans the
+# memory. Only x is saved either way; gate and up are recomputed in the backward.
+
+def traced_glu_mlp_forward(x2, wg, wu, wd, activation, multipliers):
+    """out [rows, H] of x2 [rows, H] (all in the matmul dtype)."""
+    c = glu_forward(x2 @ wg.t(), x2 @ wu.t(), activation, gate_multiplier=multipliers[0],
+                    out_multiplier=multipliers[1])
+    return c @ wd.t()
+
+
+def traced_glu_mlp_backward(dout2, x2, wg, wu, wd, activation, multipliers, need_x, need_wg, need_wu, need_wd):
+    """(dx, d_wg, d_wu, d_wd) in the matmul dtype, None where not needed."""
+    a, b = x2 @ wg.t(), x2 @ wu.t()
+    d_wd = None
+    if need_wd:
+        d_wd = dout2.t() @ glu_forward(a, b, activation, gate_multiplier=multipliers[0], out_multiplier=multipliers[1])
+    if not (need_x or need_wg or need_wu):
+        return None, None, None, d_wd
+    da, db = glu_backward(dout2 @ wd, a, b, activation, gate_multiplier=multipliers[0], out_multiplier=multipliers[1])
+    return (da @ wg + db @ wu if need_x else None, da.t() @ x2 if need_wg else None,
+            db.t() @ x2 if need_wu else None, d_wd)
+
+
 def glu_mlp_backward(dout, x, gate_weight, up_weight, down_weight, activation, multipliers, mm, slice_columns,
                      need_x, need_wg, need_wu, need_wd):
     """(dx, d_gate_weight, d_up_weight, d_down_weight), each None when not needed; gate and up
@@ -385,6 +434,12 @@ def glu_mlp_backward(dout, x, gate_weight, up_weight, down_weight, activation, m
     x2 = _as(as_rows(x), mm)
     dout2 = _as(as_rows(dout), mm)
     wg, wu, wd = _as(gate_weight, mm), _as(up_weight, mm), _as(down_weight, mm)
+    if traced(x2, dout2):
+        dx, *grads = traced_glu_mlp_backward(dout2, x2, wg, wu, wd, activation, multipliers, need_x, need_wg, need_wu,
+                                             need_wd)
+        return (dx.to(x.dtype).view(x.shape) if dx is not None else None,
+                *(_as(g, w.dtype) if g is not None else None
+                  for g, w in zip(grads, (gate_weight, up_weight, down_weight), strict=True)))
     n_cols = wg.shape[0]
     slice_columns = slice_columns or mlp_slice_columns(x2.shape[0], n_cols, mm.itemsize)
     d_wg = torch.empty(wg.shape, dtype=mm, device=x.device) if need_wg else None
@@ -419,10 +474,9 @@ def glu_mlp_backward(dout, x, gate_weight, up_weight, down_weight, activation, m
     return dx, *grads
 
 
-@custom_op("tigon::glu_mlp", mutates_args=())
-def glu_mlp_op(x: Tensor, gate_weight: Tensor, up_weight: Tensor, down_weight: Tensor, activation: str,
-               gate_multiplier: float, down_multiplier: float, matmul_dtype: torch.dtype, slice_columns: int,
-               compute_output: bool, last_in_checkpoint: bool) -> Tensor:
+def _glu_mlp(x: Tensor, gate_weight: Tensor, up_weight: Tensor, down_weight: Tensor, activation: str,
+             gate_multiplier: float, down_multiplier: float, matmul_dtype: torch.dtype, slice_columns: int,
+             compute_output: bool, last_in_checkpoint: bool) -> Tensor:
     """(act(x Wg^T g) * (x Wu^T) d) Wd^T, contiguous [..., H] in ``matmul_dtype``; saves only x.
     ``compute_output=False`` returns an uninitialised output (checkpoint's recomputation that
     stops once x is saved: see glu_mlp_input_only); so does ``last_in_checkpoint`` while an
@@ -436,14 +490,22 @@ def glu_mlp_op(x: Tensor, gate_weight: Tensor, up_weight: Tensor, down_weight: T
                                matmul_dtype, slice_columns)
 
 
-@glu_mlp_op.register_fake
-def _(x, gate_weight, up_weight, down_weight, activation, gate_multiplier, down_multiplier, matmul_dtype,
-      slice_columns, compute_output, last_in_checkpoint):
+# One body, two ops. tigon::glu_mlp is a triton_op (Inductor launches its kernels). A compiled
+# call with ``last_in_checkpoint`` (a layer compiled on its own inside an eager checkpoint,
+# torchtune's recipes) takes tigon::glu_mlp_in_eager_checkpoint, a plain custom op: its body
+# must find out when it runs whether the checkpoint is recomputing it, which a traced body
+# would decide once, at trace time.
+glu_mlp_op = kernel_op("tigon::glu_mlp", mutates_args=())(_glu_mlp)
+glu_mlp_in_eager_checkpoint_op = custom_op("tigon::glu_mlp_in_eager_checkpoint", mutates_args=())(_glu_mlp)
+
+
+def _fake_glu_mlp(x, gate_weight, up_weight, down_weight, activation, gate_multiplier, down_multiplier, matmul_dtype,
+                  slice_columns, compute_output, last_in_checkpoint):
     check_glu_mlp_args(x, gate_weight, up_weight, down_weight, activation)
     return x.new_empty((*x.shape[:-1], down_weight.shape[0]), dtype=matmul_dtype)
 
 
-@custom_op("tigon::glu_mlp_backward", mutates_args=())
+@kernel_op("tigon::glu_mlp_backward", mutates_args=())
 def glu_mlp_backward_op(dout: Tensor, x: Tensor, gate_weight: Tensor, up_weight: Tensor, down_weight: Tensor,
                         activation: str, gate_multiplier: float, down_multiplier: float, matmul_dtype: torch.dtype,
                         slice_columns: int, need_x: bool, need_gate_weight: bool, need_up_weight: bool,
@@ -477,7 +539,9 @@ def _glu_mlp_backward(ctx, dout):
     return (*(g if need else None for g, need in zip(grads, needs)), None, None, None, None, None, None, None)
 
 
-glu_mlp_op.register_autograd(_glu_mlp_backward, setup_context=_glu_mlp_setup_context)
+for _op in (glu_mlp_op, glu_mlp_in_eager_checkpoint_op):
+    _op.register_fake(_fake_glu_mlp)
+    _op.register_autograd(_glu_mlp_backward, setup_context=_glu_mlp_setup_context)
 
 
 def glu_mlp_input_only(x, gate_weight, up_weight, down_weight, activation="silu", *, gate_multiplier=1.0,
@@ -493,8 +557,9 @@ def glu_mlp_input_only(x, gate_weight, up_weight, down_weight, activation="silu"
     mm = matmul_dtype(x, gate_weight=gate_weight, up_weight=up_weight, down_weight=down_weight)
     saves_x = torch.is_grad_enabled() and any(t.requires_grad for t in (x, gate_weight, up_weight, down_weight))
     compute_output = torch.compiler.is_compiling() or not (saves_x and checkpoint_recompute_stops_after(1))
-    return glu_mlp_op(x, gate_weight, up_weight, down_weight, activation, float(gate_multiplier),
-                      float(down_multiplier), mm, slice_columns or 0, compute_output, bool(last_in_checkpoint))
+    op = glu_mlp_in_eager_checkpoint_op if last_in_checkpoint and torch.compiler.is_compiling() else glu_mlp_op
+    return op(x, gate_weight, up_weight, down_weight, activation, float(gate_multiplier), float(down_multiplier), mm,
+              slice_columns or 0, compute_output, bool(last_in_checkpoint))
 
 
 # ---- which path ----
