@@ -127,11 +127,15 @@ def test_glu_mlp_custom_ops_pass_opcheck(frozen):
     x = randn((*TOKENS, HIDDEN), torch.float32, non_contiguous=True, requires_grad=True)
     weights = make_weights(torch.float32, requires_grad=not frozen)
     options = ("gelu_tanh", 0.7, 1.3, torch.float32, SLICE)
-    assert set(torch.library.opcheck(glu_mlp_op.library_op, (x, *weights, *options, True, False)).values()) == {"SUCCESS"}
+    # On the GPU the op is a triton_op: AOTDispatcher traces its whole-buffer formula, whose fp32
+    # matmuls sum in another order than the eager slices' (compared on their own below).
+    tols = pick(cpu={}, gpu=dict(atol=1e-4, rtol=1e-4))
+    assert set(torch.library.opcheck(glu_mlp_op.library_op, (x, *weights, *options, True, False),
+                                     **tols).values()) == {"SUCCESS"}
     dout = randn((*TOKENS, HIDDEN), torch.float32)
     needs = (True, *(not frozen,) * 3)
     checks = torch.library.opcheck(glu_mlp_backward_op.library_op, (dout, x.detach(), *[w.detach() for w in weights], *options,
-                                                         *needs))
+                                                         *needs), **tols)
     assert set(checks.values()) == {"SUCCESS"}
 
 
@@ -180,7 +184,8 @@ def test_traced_formulas_match_the_sliced_ones(need):
     multipliers, mm, x2, dout2 = (0.7, 1.3), torch.float32, x.reshape(-1, HIDDEN), dout.reshape(-1, HIDDEN)
     sliced = glu_mlp.glu_mlp_forward(x, wg, wu, wd, "gelu_tanh", multipliers, mm, SLICE)
     whole = glu_mlp.traced_glu_mlp_forward(x2, wg, wu, wd, "gelu_tanh", multipliers)
-    torch.testing.assert_close(whole, sliced.reshape(whole.shape), rtol=1e-5, atol=1e-5)
+    # fp32 matmuls summing in other orders (cuBLAS on the GPU): compared by norm.
+    assert rel_err(whole, sliced.reshape(whole.shape)) < 1e-5
     want = glu_mlp.glu_mlp_backward(dout, x, wg, wu, wd, "gelu_tanh", multipliers, mm, SLICE, need_x, need_w, need_w,
                                     need_w)
     got = glu_mlp.traced_glu_mlp_backward(dout2, x2, wg, wu, wd, "gelu_tanh", multipliers, need_x, need_w, need_w,
@@ -188,11 +193,11 @@ def test_traced_formulas_match_the_sliced_ones(need):
     for g, w in zip(got, want, strict=True):
         assert (g is None) == (w is None)
         if w is not None:
-            torch.testing.assert_close(g, w.reshape(g.shape), rtol=1e-4, atol=1e-5)
+            assert rel_err(g, w.reshape(g.shape)) < 1e-5
     a, b = x2 @ wg.t(), x2 @ wu.t()
     want = glu_mlp.glu_down_backward(dout, a, b, wd, None, "gelu_tanh", multipliers, mm, SLICE, need_x, need_w, False)
     got = glu_mlp.traced_glu_down_backward(dout2, a, b, wd, "gelu_tanh", multipliers, mm, need_x, need_w)
     for g, w in zip(got, want[:3], strict=True):
         assert (g is None) == (w is None)
         if w is not None:
-            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+            assert rel_err(g, w) < 1e-5

@@ -93,7 +93,7 @@ def cases(device, dtype=torch.bfloat16) -> dict[str, dict[str, Callable]]:
             layer_norm=lambda: liger["layer_norm"].apply(x, w, b, 1e-5),
             rope=lambda: torch.cat([t.flatten() for t in liger["rope"].apply(q, k, cos, sin)]),
             swiglu=lambda: liger["swiglu"].apply(gate, up),
-            cross_entropy=lambda: liger["cross_entropy"].apply(logits, target),
+            cross_entropy=lambda: liger["cross_entropy"].apply(logits, target, None),  # weight: no default
             fused_linear_cross_entropy=lambda: liger["fused_linear_cross_entropy"].apply(x, head, target),
         )
     out = {}

@@ -328,8 +328,9 @@ def _glu_down_backward(ctx, dout):
     need_ab = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
     need_weight, need_bias = ctx.needs_input_grad[2], ctx.needs_input_grad[3] and down_bias is not None
     matmul_dtype = ctx.options[3]
-    # Writing over saved tensors is for eager autograd; under torch.compile the graph owns the buffers.
-    if ctx.inplace and need_ab and a.dtype == matmul_dtype and not torch.compiler.is_compiling():
+    # Writing over saved tensors is for eager autograd; under torch.compile the graph owns the buffers
+    # (traced, not is_compiling: AOTAutograd traces the backward after Dynamo, with is_compiling off).
+    if ctx.inplace and need_ab and a.dtype == matmul_dtype and not traced(dout, a, b):
         d_weight, d_bias = glu_down_backward_inplace_op(dout, a, b, down_weight, down_bias, *ctx.options,
                                                         need_weight, need_bias)
         ctx.consumed = True
