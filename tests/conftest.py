@@ -117,7 +117,11 @@ def kernels(request):
 
     set_poison_outputs(True)
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()) + int(os.environ.get("TIGON_TEST_SEED", "0")))
+    precision = helpers.fp32_matmul_settings()
     yield helpers.DEVICE
+    # HF's TrainingArguments(torch_compile=True) turns TF32 on for the whole process: fp32 tests
+    # that ran after it in the same worker compared TF32 matmuls with HF's (6e-4 apart, H200).
+    assert helpers.fp32_matmul_settings() == precision, "the test changed the process's fp32 matmul precision"
     if helpers.DEVICE == "cuda":
         # Test processes share one GPU (pytest-xdist): what a test's tensors held goes back to the
         # GPU, not to this process's cache (12 workers' caches once left no room on an H200).

@@ -8,6 +8,7 @@ Frobenius error), and not much worse than eager torch at the same precision.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -303,3 +304,25 @@ def _rank_main(rank, port, out_dir, world, cases_of):
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
         dist.destroy_process_group()
+
+
+def fp32_matmul_settings():
+    """torch's process-wide fp32 precision settings (TF32 or IEEE for matmuls and cuDNN)."""
+    return (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32, getattr(torch.backends, "fp32_precision", None))
+
+
+@contextlib.contextmanager
+def fp32_matmul_settings_kept():
+    """Restore torch's fp32 precision settings after the block (HF's TrainingArguments with
+    torch_compile=True turns TF32 on for the process)."""
+    before = fp32_matmul_settings()
+    try:
+        yield
+    finally:
+        precision, matmul_tf32, cudnn_tf32, overall = before
+        if overall is not None:
+            torch.backends.fp32_precision = overall
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cuda.matmul.allow_tf32 = matmul_tf32
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tigon
-from tests.helpers import DEVICE, pick, recording_backend
+from tests.helpers import DEVICE, fp32_matmul_settings_kept, pick, recording_backend
 from tests.integration.test_patching import SIZE, assert_same_training, batch, tiny_model
 
 pytest.importorskip("transformers")
@@ -273,12 +273,13 @@ def test_trainer_with_torch_compile_does_not_recompile(way, tmp_path, monkeypatc
     model = built_the_way(way)
     gen = torch.Generator().manual_seed(0)
     rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, SIZE["vocab_size"], (8, 8), generator=gen)]
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-3,
-                             torch_compile=True, torch_compile_backend=BACKEND, report_to=[], save_strategy="no",
-                             use_cpu=DEVICE != "cuda", logging_steps=1)
-    counters.clear()
-    trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[NoRecompileAfterFirstStep()])
-    trainer.train()
+    with fp32_matmul_settings_kept():  # TrainingArguments(torch_compile=True) turns TF32 on for the process
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2,
+                                 learning_rate=1e-3, torch_compile=True, torch_compile_backend=BACKEND, report_to=[],
+                                 save_strategy="no", use_cpu=DEVICE != "cuda", logging_steps=1)
+        counters.clear()
+        trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[NoRecompileAfterFirstStep()])
+        trainer.train()
     assert trainer.state.global_step == 3
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
 

@@ -128,8 +128,10 @@ def test_glu_mlp_custom_ops_pass_opcheck(frozen):
     weights = make_weights(torch.float32, requires_grad=not frozen)
     options = ("gelu_tanh", 0.7, 1.3, torch.float32, SLICE)
     # On the GPU the op is a triton_op: AOTDispatcher traces its whole-buffer formula, whose fp32
-    # matmuls sum in another order than the eager slices' (compared on their own below).
-    tols = pick(cpu={}, gpu=dict(atol=1e-4, rtol=1e-4))
+    # matmuls sum in another order than the eager slices' (elementwise 1e-4 apart where values are
+    # near 0): compared with them by norm in test_traced_formulas_match_the_sliced_ones and
+    # compiled in tests/ops/test_kernel_ops.py instead.
+    tols = pick(cpu={}, gpu=dict(test_utils=("test_schema", "test_autograd_registration", "test_faketensor")))
     assert set(torch.library.opcheck(glu_mlp_op.library_op, (x, *weights, *options, True, False),
                                      **tols).values()) == {"SUCCESS"}
     dout = randn((*TOKENS, HIDDEN), torch.float32)
