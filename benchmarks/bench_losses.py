@@ -10,7 +10,8 @@ loss under torch.compile), ``trl`` (TRL's fused LM head's log-probs, then TRL's 
 matmuls`` (the logits, dx and dW matmuls alone: the floor) and ``3 matmuls, tokens`` (the same
 over the completion tokens only: the floor of a head that skips the padding, as tigon's and
 TRL's do; a quarter of the positions are padding here). Peak memory: max_memory_allocated during
-one forward+backward beyond what was allocated before (inputs) and the returned gradients. Time: median of --reps CUDA-event timings after warm-up.
+one forward+backward beyond what was allocated before (inputs) and the returned gradients. Time: median of --reps
+CUDA-event timings after warm-up.
 """
 
 from __future__ import annotations

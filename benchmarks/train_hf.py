@@ -4,7 +4,8 @@ from the same weights and data: tokens/s, peak memory and losses. Run on a CUDA 
 ``--batches 4 8 16 32`` sweeps the batch size (each implementation until it runs out of memory)
 and plots tokens/s and peak memory against it; ``--seqs 512 1024 2048`` sweeps the sequence length
 at ``--batch`` instead (the Liger paper's figure). ``--impls`` takes ``tigon`` (``tigon.patch(model)``
-after building) and ``tigon-class`` (``tigon.patch_<family>()`` before building, as Liger's users do). An implementation followed by ``+compile``
+after building) and ``tigon-class`` (``tigon.patch_<family>()`` before building, as Liger's users do). An implementation
+followed by ``+compile``
 (``hf+compile``, ``tigon+compile``, ``liger+compile``) runs ``model.compile()`` (``--compile-mode``)
 with the batch dimension marked dynamic (one compilation for the whole sweep). ``--isolate`` runs
 each implementation in its own process, so that a crash (a peer's illegal memory access) ends
@@ -464,7 +465,8 @@ def main():
     p = add_setup_args(argparse.ArgumentParser())
     p.add_argument("--batches", type=int, nargs="*", help="a batch-size sweep (each implementation until OOM)")
     p.add_argument("--seqs", type=int, nargs="*",
-                   help="a sequence-length sweep at --batch (each implementation until OOM), as the Liger paper's figure")
+                   help="a sequence-length sweep at --batch (each implementation until OOM), as the Liger paper's "
+                        "figure")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--timed-tokens", type=int, default=None,
                    help="timed steps per batch = this many tokens / (batch x seq), at least 3 (instead of --steps)")
@@ -586,7 +588,8 @@ def run_isolated(args, script=__file__):
         if proc.returncode != 0:
             done = {(r["batch"], r.get("seq", args.seq)) for r in rows}
             nxt = [p for p in sweep_points(args) if p not in done][:1]
-            results += [dict(impl=impl, batch=b, seq=t, error=f"process died (exit code {proc.returncode})") for b, t in nxt]
+            died = f"process died (exit code {proc.returncode})"
+            results += [dict(impl=impl, batch=b, seq=t, error=died) for b, t in nxt]
         save(args, n_params or 0, results, device=device or "unknown GPU")
     save(args, n_params or 0, results, final=True, device=device or "unknown GPU")
     print_table(results, swept(args))

@@ -36,7 +36,8 @@ class TigonDPOTrainer(DPOTrainer):
         hidden = unwrapped.get_decoder()(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state
         reference = {}
         if self.precompute_ref_logps:
-            reference = dict(ref_chosen_logps=inputs["ref_chosen_logps"], ref_rejected_logps=inputs["ref_rejected_logps"])
+            reference = dict(ref_chosen_logps=inputs["ref_chosen_logps"],
+                             ref_rejected_logps=inputs["ref_rejected_logps"])
         else:
             ref_model = self.accelerator.unwrap_model(self.ref_model)
             with torch.no_grad():

@@ -73,7 +73,8 @@ class TigonGRPOTrainer(GRPOTrainer):
                 max_completion_length=self.max_completion_length, temperature=self.temperature,
                 importance_sampling_ratio=inputs["importance_sampling_ratio"] if use_ratio else None,
                 num_items_in_batch=items, use_bias_correction_kl=self.args.use_bias_correction_kl,
-                sapo_temperature_pos=self.args.sapo_temperature_pos, sapo_temperature_neg=self.args.sapo_temperature_neg,
+                sapo_temperature_pos=self.args.sapo_temperature_pos,
+                sapo_temperature_neg=self.args.sapo_temperature_neg,
                 compute_entropy=True)
         if self.loss_type not in ("dapo", "cispo") and mode == "train":
             loss = loss / self.current_gradient_accumulation_steps
@@ -115,7 +116,8 @@ def train(trainer_class, model, tokenizer, data, output_dir, steps=3, loss_type=
     gradient (policy = reference at step one) into full-size steps, and the samples would part."""
     model.save_pretrained(f"{output_dir}/init")
     args = GRPOConfig(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=8, learning_rate=0.5, optim="sgd", logging_steps=1, save_strategy="no", report_to=[],
+                      max_completion_length=8, learning_rate=0.5, optim="sgd", logging_steps=1, save_strategy="no",
+                      report_to=[],
                       use_cpu=not torch.cuda.is_available(), seed=0, beta=beta, loss_type=loss_type, **config)
     # A toy reward and one of TRL's own: DAPO's soft overlong punishment (lengths past 4 of the 8 tokens)
     rewards = [reward_variety, get_soft_overlong_punishment(max_completion_len=8, soft_punish_cache=4)]

@@ -130,12 +130,14 @@ case "$part" in
     ;;
   compile-qwen|compile-llama)  # the batch sweep of HF, Liger and tigon, each eager and compiled
     # (IMPLS: a subset, for a shape whose sweep outlasts one device call; join the JSONs with
-    # train_hf.py --merge)
+    # train_hf.py --merge; COMPILE_MODE=reduce-overhead: CUDA graphs. A whole-model compile takes
+    # ~100-110 s at the Qwen shape on an H200, so about four compiled implementations fit a call)
     shape=$([ "$part" = compile-qwen ] && echo qwen2.5-0.5b || echo llama-1b)
     mkdir -p "$OUT/train"
     timeout ${SWEEP_TIMEOUT:-570} python3 benchmarks/train_hf.py --shape "$shape" --seq 512 \
       --batches ${BATCHES:-16 32 64 128 256 512} --impls ${IMPLS:-tigon+compile,hf+compile,tigon,liger,hf,liger+compile} \
-      --isolate --warmup 2 --timed-tokens ${TIMED_TOKENS:-49152} --out "$OUT/train" 2>&1 | grep -v -i "warn\|backend impl" \
+      --isolate --warmup 2 --timed-tokens ${TIMED_TOKENS:-49152} ${COMPILE_MODE:+--compile-mode $COMPILE_MODE} \
+      --out "$OUT/train" 2>&1 | grep -v -i "warn\|backend impl" \
       | tee "$OUT/train/train_${shape}_compile_sweep.log" || status=1
     ;;
   torchtune)  # the torchtune + torch.compile study (carry torchtune and its wheels, see its README

@@ -110,7 +110,8 @@ def _grads(fn, inputs, cotangents):
     outs = _as_tuple(fn(*inputs))
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     pairs = [(o, c.to(o.dtype)) for o, c in zip(outs, cotangents) if o.requires_grad]
-    grads = torch.autograd.grad([o for o, _ in pairs], leaves, [c for _, c in pairs], allow_unused=True) if pairs else []
+    grads = (torch.autograd.grad([o for o, _ in pairs], leaves, [c for _, c in pairs], allow_unused=True)
+             if pairs else [])
     return outs, grads
 
 
@@ -147,7 +148,8 @@ def check_op(fn, ref, inputs, *, dtype, tol=None, what="op", backward=True, wors
         eager_out, eager_g = _grads(ref, eager_in, cotangents)
     else:
         with torch.no_grad():
-            ours_out, ref_out, eager_out = (_as_tuple(f(*i)) for f, i in ((fn, ours_in), (ref, ref_in), (ref, eager_in)))
+            ours_out, ref_out, eager_out = (_as_tuple(f(*i))
+                                            for f, i in ((fn, ours_in), (ref, ref_in), (ref, eager_in)))
         ours_g = ref_g = eager_g = []
     errors = {}
     names = [f"output{i}" for i in range(len(ref_out))] + [f"grad{i}" for i in range(len(ref_g))]

@@ -41,8 +41,9 @@ def print_cprofile(step, top):
 def time_custom_ops():
     """Wrap the function every tigon custom op's dispatcher entry calls with a host timer:
     returns {op name: [calls, seconds]}, reset by the caller."""
-    import tigon.ops
     from torch._library.custom_ops import CustomOpDef
+
+    import tigon.ops
 
     totals = {}
     for module in list(sys.modules.values()):

@@ -135,7 +135,8 @@ def summarize(results):
             best[key] = r
     for key, r in sorted(best.items(), key=lambda kv: str(kv[0])):
         cfg = {k: v for k, v in r.items() if k in ("block_m", "block", "warps", "per_sm")}
-        print(f"{key[0]:9s} {key[1] or key[3]} x {key[2] or ''}: best {r['ms']:.4f} ms ({100 * r['frac']:.0f}% of copy BW) {cfg}")
+        print(f"{key[0]:9s} {key[1] or key[3]} x {key[2] or ''}: best {r['ms']:.4f} ms "
+              f"({100 * r['frac']:.0f}% of copy BW) {cfg}")
 
 
 def run_sweeps(sweeps, json_name, summarize_results):

@@ -42,7 +42,7 @@ class DemoConfig:
     dtype: str
 
     @classmethod
-    def for_device(cls, device: str, steps: int | None = None, quick: bool = False) -> "DemoConfig":
+    def for_device(cls, device: str, steps: int | None = None, quick: bool = False) -> DemoConfig:
         if device == "cuda":
             return cls(device, hidden=1024, layers=12, heads=16, kv_heads=4, intermediate=4096, vocab=128256,
                        tokenizer_vocab=8192, batch=8, seq=1024, steps=steps or (20 if quick else 300), lr=1e-3,

@@ -76,7 +76,7 @@ def full_grads(model):
     return grads
 
 
-@functools.lru_cache(maxsize=None)  # per rank process: each (tied, device) once for all its cases
+@functools.cache  # per rank process: each (tied, device) once for all its cases
 def single_process(tied, device):
     """(loss, grads, next loss) of one process on the whole batch."""
     model = build(tied, device)

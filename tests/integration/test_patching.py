@@ -16,7 +16,7 @@ from tests.helpers import DEVICE, pick
 from tigon.patching import FAMILIES, Family, TigonPatchError, apply_family
 
 transformers = pytest.importorskip("transformers")
-from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 SIZE = pick(cpu=dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16),
@@ -40,7 +40,8 @@ EXTRA = {
     "phi3": dict(partial_rotary_factor=0.5, pad_token_id=0),
     "glm4": dict(partial_rotary_factor=0.5, pad_token_id=0),
     "smollm3": dict(pad_token_id=0),
-    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64,
                       output_router_logits=True, router_aux_loss_coef=0.1),
     "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
                      n_group=1, topk_group=1, pad_token_id=0),
@@ -535,7 +536,8 @@ def test_gradient_checkpointing_uses_the_recomputing_mlp(model_type, monkeypatch
 
     skips = []
     stops_after = glu_mlp.checkpoint_recompute_stops_after
-    monkeypatch.setattr(glu_mlp, "checkpoint_recompute_stops_after", lambda n: skips.append(stops_after(n)) or skips[-1])
+    monkeypatch.setattr(glu_mlp, "checkpoint_recompute_stops_after",
+                        lambda n: skips.append(stops_after(n)) or skips[-1])
     model = tiny_model(model_type, tie_word_embeddings=True)
     patched = copy.deepcopy(model)
     for m in (model, patched):

@@ -16,9 +16,9 @@ from tests.integration.test_patch_scope import _unpatched_after  # noqa: F401 (a
 from tigon.patching import FAMILIES, apply_family, forwards
 
 transformers = pytest.importorskip("transformers")
-from transformers.integrations import moe as hf_moe
-from transformers.models.gpt_oss import modeling_gpt_oss
-from transformers.models.mixtral import modeling_mixtral
+from transformers.integrations import moe as hf_moe  # noqa: E402
+from transformers.models.gpt_oss import modeling_gpt_oss  # noqa: E402
+from transformers.models.mixtral import modeling_mixtral  # noqa: E402
 
 TOKENS, HIDDEN, INTER, EXPERTS, TOP_K = 7, 24, 20, 3, 2
 

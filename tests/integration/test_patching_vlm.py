@@ -16,7 +16,7 @@ from tests.integration.test_patching import FLOOR, SPREAD_FACTOR, assert_trains_
 from tigon.patching import BY_MODEL_TYPE, FAMILIES, TigonPatchError
 
 transformers = pytest.importorskip("transformers")
-from transformers import AutoConfig
+from transformers import AutoConfig  # noqa: E402
 
 VOCAB, IMAGE = 256, 250  # the image token inside the vocabulary; 251-255 other special tokens
 TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,

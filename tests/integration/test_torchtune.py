@@ -32,8 +32,8 @@ def _fresh_dynamo():
 
 def decoder(tie=True, dtype=torch.float32, family="llama3_2"):
     from torchtune.models.gemma import gemma
-    from torchtune.models.llama3 import llama3
     from torchtune.models.gemma2 import gemma2
+    from torchtune.models.llama3 import llama3
     from torchtune.models.llama3_2 import llama3_2
     from torchtune.models.mistral import mistral
     from torchtune.models.qwen2 import qwen2
@@ -95,7 +95,9 @@ def patched_pair(tie=True, dtype=torch.float32, family="llama3_2"):
                                         ("gemma", True), ("mistral", False)])
 def test_patched_decoder_matches_torchtune(family, tie):
     ref, model, report = patched_pair(tie, family=family)
-    assert report.patched == {"output (hidden states to the loss)": 1, "RMSNorm": 5, "RoPE": 1, "FeedForward": 2}, report  # one RoPE module, shared by the layers
+    # One RoPE module, shared by the layers.
+    expected = {"output (hidden states to the loss)": 1, "RMSNorm": 5, "RoPE": 1, "FeedForward": 2}
+    assert report.patched == expected, report
     tokens, labels = recipe_batch()
     expected = reference_loss(ref, tokens, labels)
     expected.backward()
@@ -231,9 +233,10 @@ def test_recompiled_layers_skip_the_mlp_in_checkpoints_recomputation(post_norm, 
     the MLP skips its matmuls there (its forward runs once a layer per step). A post-MLP norm
     (Gemma 2's mlp_scale) saves that output: then it is computed. Loss and gradients are the
     stock decoder's either way."""
-    import tigon.ops.glu_mlp as glu_mlp_module
     from torchtune import training
     from torchtune.modules import RMSNorm, TransformerSelfAttentionLayer
+
+    import tigon.ops.glu_mlp as glu_mlp_module
 
     ref = decoder()
     if post_norm:
@@ -248,7 +251,8 @@ def test_recompiled_layers_skip_the_mlp_in_checkpoints_recomputation(post_norm, 
     training.compile_model(model, verbose=False)
     forwards = []
     original_forward = glu_mlp_module.glu_mlp_forward
-    monkeypatch.setattr(glu_mlp_module, "glu_mlp_forward", lambda *a, **k: forwards.append(1) or original_forward(*a, **k))
+    monkeypatch.setattr(glu_mlp_module, "glu_mlp_forward",
+                        lambda *a, **k: forwards.append(1) or original_forward(*a, **k))
     tokens, labels = recipe_batch()
     expected = reference_loss(ref, tokens, labels)
     expected.backward()

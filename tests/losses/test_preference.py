@@ -70,7 +70,8 @@ def test_dpo_matches_reference(loss_type, reference, chunk_pairs):
     pairs, average, beta, ls = SHAPE[0], loss_type == "ipo", 0.2, 0.1 if loss_type == "sigmoid" else 0.0
     kw = {}
     if reference == "precomputed":
-        kw = dict(ref_chosen_logps=randn((pairs,), torch.float32) - 5, ref_rejected_logps=randn((pairs,), torch.float32) - 5)
+        kw = dict(ref_chosen_logps=randn((pairs,), torch.float32) - 5,
+                  ref_rejected_logps=randn((pairs,), torch.float32) - 5)
         ref_c, ref_r = kw["ref_chosen_logps"], kw["ref_rejected_logps"]
     elif reference == "model":
         ref_x, ref_w = randn(tuple(x.shape), torch.float32), randn(tuple(w.shape), torch.float32, scale=0.3)

@@ -165,7 +165,8 @@ def test_glu_custom_ops_pass_opcheck(activation, halves):
     else:
         a, b = (randn((3, 5, 37), torch.float32, requires_grad=True) for _ in range(2))
     assert_opcheck(glu_op.library_op, (a, b, activation, 0.7, 1.3))
-    assert_opcheck(glu_backward_op.library_op, (randn((3, 5, 37), torch.float32), a.detach(), b.detach(), activation, 0.7, 1.3))
+    dc = randn((3, 5, 37), torch.float32)
+    assert_opcheck(glu_backward_op.library_op, (dc, a.detach(), b.detach(), activation, 0.7, 1.3))
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -182,7 +183,8 @@ def test_glu_down_custom_ops_pass_opcheck(bias, inplace):
     a, b, w, bvec = (None if t is None else t.detach() for t in (a, b, w, bvec))  # backward ops: no autograd
     dout = randn((2, 5, 24), torch.float32)
     assert_opcheck(glu_down_backward_op.library_op, (dout, a, b, w, bvec, *options, 16, True, True, bias))
-    assert_opcheck(glu_down_backward_inplace_op.library_op, (dout, a.clone(), b.clone(), w, bvec, *options, 16, True, bias))
+    assert_opcheck(glu_down_backward_inplace_op.library_op,
+                   (dout, a.clone(), b.clone(), w, bvec, *options, 16, True, bias))
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_erf"])

@@ -136,8 +136,8 @@ def test_glu_mlp_custom_ops_pass_opcheck(frozen):
                                      **tols).values()) == {"SUCCESS"}
     dout = randn((*TOKENS, HIDDEN), torch.float32)
     needs = (True, *(not frozen,) * 3)
-    checks = torch.library.opcheck(glu_mlp_backward_op.library_op, (dout, x.detach(), *[w.detach() for w in weights], *options,
-                                                         *needs), **tols)
+    checks = torch.library.opcheck(glu_mlp_backward_op.library_op,
+                                   (dout, x.detach(), *[w.detach() for w in weights], *options, *needs), **tols)
     assert set(checks.values()) == {"SUCCESS"}
 
 

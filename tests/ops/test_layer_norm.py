@@ -119,7 +119,8 @@ def test_layer_norm_custom_ops_pass_opcheck(affine, non_contiguous):
     x, w, b = (None if t is None else t.detach() for t in (x, w, b))  # the backward op has no autograd
     _, mean, rstd = layer_norm_op(x, w, b, 1e-5)
     dy = randn((3, 5, 37), torch.float32)
-    checks = torch.library.opcheck(layer_norm_backward_op.library_op, (dy, x, w, b, mean, rstd, w is not None, b is not None))
+    checks = torch.library.opcheck(layer_norm_backward_op.library_op,
+                                   (dy, x, w, b, mean, rstd, w is not None, b is not None))
     assert set(checks.values()) == {"SUCCESS"}
 
 

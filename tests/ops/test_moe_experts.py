@@ -268,7 +268,8 @@ def test_moe_experts_custom_ops_pass_opcheck():
     dout = randn((SMALL[0], SMALL[1]), torch.float32)
     back = (dout, plain[0], plain[2], kept, table, *plain[3:7], "silu", "gate_up", False, 1.0, 0.0,
             True, True, True, False, True, False)
-    checks = torch.library.opcheck(moe_experts_backward_op.library_op, back, test_utils=("test_schema", "test_faketensor"))
+    checks = torch.library.opcheck(moe_experts_backward_op.library_op, back,
+                                   test_utils=("test_schema", "test_faketensor"))
     assert set(checks.values()) == {"SUCCESS"}
 
 

@@ -204,4 +204,5 @@ def test_rms_norm_past_2_31_elements():
     w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     y = TF.rms_norm(x, w)
     tail = slice(rows - 128, rows)
-    torch.testing.assert_close(y[tail].float(), ref_rms_norm(x[tail].double(), w.double()).float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(y[tail].float(), ref_rms_norm(x[tail].double(), w.double()).float(),
+                               atol=2e-2, rtol=2e-2)

@@ -208,7 +208,8 @@ def test_tvd_custom_ops_pass_opcheck(reduction):
     lead, v = (3, 5), 37
     p, q = probs(lead, v, torch.float32, non_contiguous=True), probs(lead, v, torch.float32)
     labels = make_labels(lead, v, "some")
-    assert set(torch.library.opcheck(tvd_op.library_op, (p, q, labels, reduction, -100, True, True)).values()) == {"SUCCESS"}
+    checks = torch.library.opcheck(tvd_op.library_op, (p, q, labels, reduction, -100, True, True))
+    assert set(checks.values()) == {"SUCCESS"}
     dy = randn((*lead, v), torch.float32)
     args = (dy, p.detach(), q.detach(), labels, -100, True, True)
     assert set(torch.library.opcheck(tvd_backward_op.library_op, args).values()) == {"SUCCESS"}

@@ -8,8 +8,8 @@ during one forward+backward above what was allocated before it (inputs excluded)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import torch
 
@@ -130,7 +130,8 @@ def measure(fn: Callable, inputs: list, row: Row, limits: dict | None = None, gr
         row.peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
         # Gradients written over their own input (in-place implementations) are no new memory.
         row.grads_mb = sum(t.grad.numel() * t.grad.element_size() for t in leaves
-                           if t.grad is not None and t.grad.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+                           if t.grad is not None
+                           and t.grad.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
                            ) / 2**20
         for t in leaves:
             t.grad = None

@@ -13,8 +13,8 @@ import gc
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -265,7 +265,8 @@ def mlp_cases(configs, liger):
 
     cases = []
     for tokens, hidden, inter in configs:
-        modules = {"torch eager": EagerSwiGLUMLP(hidden, inter), "tigon": TigonSwiGLUMLP(hidden_size=hidden, intermediate_size=inter)}
+        modules = {"torch eager": EagerSwiGLUMLP(hidden, inter),
+                   "tigon": TigonSwiGLUMLP(hidden_size=hidden, intermediate_size=inter)}
         if liger:
             from types import SimpleNamespace
 

@@ -81,7 +81,8 @@ def dpo_pair_loss(chosen, rejected, ref_chosen, ref_rejected, *, beta, loss_type
         z = beta * margin
         mix = torch.sigmoid(z / discopop_tau)
         losses = -F.logsigmoid(z) * (1 - mix) + torch.exp(-z) * mix
-    return losses, dict(chosen_rewards=(beta * chosen_ratio).detach(), rejected_rewards=(beta * rejected_ratio).detach())
+    return losses, dict(chosen_rewards=(beta * chosen_ratio).detach(),
+                        rejected_rewards=(beta * rejected_ratio).detach())
 
 
 def orpo_pair_loss(chosen, rejected, _ref_c, _ref_r, *, beta):

@@ -202,13 +202,31 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_kernel_device_types = None  # the device types kernels run on here, found at the first check
+
+
+def _kernel_devices() -> tuple:
+    global _kernel_device_types
+    if _kernel_device_types is None:
+        cpu_ok = interpreter_enabled() and not triton_imported_before_interpreter()
+        _kernel_device_types = ("cuda", "meta", "cpu") if cpu_ok else ("cuda", "meta")
+    return _kernel_device_types
+
+
 def check_tensor(name: str, t, *, ndim=None, min_ndim=None, floating=True) -> None:
     """Raise TypeError/ValueError naming `name` when `t` is not a usable kernel input."""
+    # The accepted case first, in few attribute reads: it runs several times per op call.
+    if (type(t) in _PLAIN_TENSOR_TYPES and (not floating or t.dtype in KERNEL_DTYPES)
+            and (ndim is None or t.ndim == ndim) and (min_ndim is None or t.ndim >= min_ndim)
+            and t.device.type in _kernel_devices()):
+        return
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if floating and not t.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-    if floating and t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if floating and t.dtype not in KERNEL_DTYPES:
         # float64 included: the kernels compute in fp32, which a float64 caller would not expect.
         raise TypeError(f"{name} has dtype {t.dtype}; tigon kernels take float32, float16 or bfloat16 "
                         "(they compute in float32; use torch's own op for float64)")
@@ -284,24 +302,29 @@ def is_dtensor(t) -> bool:
 
 def check_same_device(**tensors) -> None:
     """All given tensors (None entries skipped) must sit on one device."""
-    items = [(n, t) for n, t in tensors.items() if t is not None]
-    first_name, first = items[0]
-    for name, t in items[1:]:
-        if t.device != first.device:
-            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}")
+    _check_same("device", ValueError, "is on", tensors)
 
 
 def check_same_dtype(**tensors) -> None:
-    items = [(n, t) for n, t in tensors.items() if t is not None]
-    first_name, first = items[0]
-    for name, t in items[1:]:
-        if t.dtype != first.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but {first_name} has dtype {first.dtype}")
+    """All given tensors (None entries skipped) must have one dtype."""
+    _check_same("dtype", TypeError, "has dtype", tensors)
+
+
+def _check_same(attr: str, error: type, verb: str, tensors: dict) -> None:
+    first_name = first = None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        value = getattr(t, attr)
+        if first is None:
+            first_name, first = name, value
+        elif value != first:
+            raise error(f"{name} {verb} {value} but {first_name} {verb} {first}")
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """View x as [rows, last_dim] with unit stride along the last dim (copies only if it must)."""
-    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    x2 = x if x.ndim == 2 else x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < x2.shape[1]):
         x2 = x2.contiguous()
     return x2
@@ -386,7 +409,7 @@ def row_block_config(n_cols: int, backward: bool = False, name: str = "hidden si
     return RowConfig(block_m, block_n, 16, 2)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _multiprocessor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

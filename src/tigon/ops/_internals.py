@@ -52,7 +52,7 @@ def interpreter_enabled() -> bool:
     return _INTERPRETER
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def triton_imported_before_interpreter() -> bool:
     """TRITON_INTERPRET=1 was set after triton was first imported (transformers imports it):
     tigon's kernels are then interpreted but Triton's own library (tl.sigmoid, ...) is compiled

@@ -185,7 +185,8 @@ def glu_backward(dc2, a2, b2, activation, da_out=None, db_out=None, gate_multipl
         block, num_warps = glu_launch_config(a2.shape[1])
         blocks_per_row = cdiv(n_cols, block)
         launch(glu_backward_kernel, (n_rows * blocks_per_row,),
-            dc2, sdc, a2, sa, b2, sb, da, sda, db, sdb, n_cols, blocks_per_row, float(gate_multiplier), float(out_multiplier),
+            dc2, sdc, a2, sa, b2, sb, da, sda, db, sdb, n_cols, blocks_per_row, float(gate_multiplier),
+            float(out_multiplier),
             ACTIVATION=ACTIVATIONS[activation], BLOCK=block, num_warps=num_warps,
         )
     return da, db

@@ -690,7 +690,8 @@ def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mo
     # torch.compile's graph): HF's forwards take named parameters, then **kwargs.
     # A transform the wrapped forward does not apply (another HF version) is not applied either.
     softcap_attr, divisor_attr, multiplier_attr = (
-        attr if attr and forward_reads(original, attr) else None for attr in (softcap_attr, divisor_attr, multiplier_attr))
+        attr if attr and forward_reads(original, attr) else None
+        for attr in (softcap_attr, divisor_attr, multiplier_attr))
     params = list(inspect.signature(original).parameters.values())[1:]
     names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
@@ -771,5 +772,6 @@ def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mo
         result = type(out)(loss=loss, logits=logits, **fields)
         return result.to_tuple() if return_dict is False else result
 
-    forward._tigon = f"causal-LM loss ({'fused linear cross entropy, no logits' if mode == 'flce' else 'cross entropy'})"
+    loss = "fused linear cross entropy, no logits" if mode == "flce" else "cross entropy"
+    forward._tigon = f"causal-LM loss ({loss})"
     return forward

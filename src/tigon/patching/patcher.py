@@ -41,12 +41,12 @@ from tigon.patching.forwards import (
     MOE_EXPERTS,
     TigonPatchError,
     activation_module,
+    captures_loss,
     check_relu_squared_activation,
     fused_activation,
     fused_experts_blocker,
     hf_default_gate,
     identify_activation,
-    captures_loss,
     make_capturing_head_forward,
     make_causal_lm_forward,
     make_experts_forward,
@@ -568,7 +568,8 @@ def _apply_row(family: Family, options: PatchOptions, model: nn.Module | None) -
     for cls in mlp_classes:
         keep_input_only = not family.mlp_output_saved and family.mlp_layout == "gate_up_down"
         put(cls, "forward", make_mlp_forward(family.mlp_layout, keep_input_only), "swiglu",
-            f"{cls.__name__} ({family.mlp_layout}{'; only its input kept under checkpointing' if keep_input_only else ''})")
+            f"{cls.__name__} ({family.mlp_layout}"
+            f"{'; only its input kept under checkpointing' if keep_input_only else ''})")
     for cls in vision_mlp_classes:  # biases, non-Linear projections: the plain fused path (keeps gate / up)
         put(cls, "forward", make_mlp_forward("gate_up_down", keep_input_only=False), "swiglu",
             f"{cls.__name__} (gate_up_down, vision tower)")
