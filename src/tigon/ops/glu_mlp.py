@@ -140,10 +140,9 @@ def glu_down_forward(a2, b2, w, bias, activation, multipliers, mm):
     bias_mm = None if bias is None else _as(bias, mm)
     # Traced (the triton_op under torch.compile): one slice, no loop over a symbolic row count
     # (it would specialize the graph on the token count); Inductor plans the memory.
-    if traced(a2) or down_proj_slice_rows(n_rows) >= n_rows:
+    if traced(a2) or (step := down_proj_slice_rows(n_rows)) >= n_rows:
         c = glu_forward(a2, b2, activation, gate_multiplier=multipliers[0], out_multiplier=multipliers[1])
         return F.linear(_as(c, mm), _as(w, mm), bias_mm)
-    step = down_proj_slice_rows(n_rows)
     w_t = _as(w, mm).t()
     out = torch.empty((n_rows, w.shape[0]), dtype=mm, device=a2.device)
     for start in range(0, n_rows, step):
