@@ -120,10 +120,14 @@ def sweep_rope(results, bw):
         cos = torch.randn(1, tokens, dim, device="cuda", dtype=DT)
         sin = torch.randn_like(cos)
         floor = 2 * batch * tokens * (hq + hk) * dim * 2 / bw / 1e6
-        for warps in (1, 2, 4, 8, 16):
-            t = bench(lambda: rope_ops.rope_apply(q, k, cos, sin, None, 1, False, num_warps=warps))
-            results.append(dict(kernel="rope_fwd", shape=f"B{batch} T{tokens} Hq{hq} Hk{hk} D{dim}", warps=warps,
-                                ms=t, frac=floor / t))
+        default_tokens = rope_ops.tokens_per_program
+        for block_t in (1, 2, 4):  # tokens per program
+            rope_ops.tokens_per_program = lambda n_tokens, elements, block_t=block_t: block_t
+            for warps in (1, 2, 4, 8, 16):
+                t = bench(lambda: rope_ops.rope_apply(q, k, cos, sin, None, 1, False, num_warps=warps))
+                results.append(dict(kernel="rope_fwd", shape=f"B{batch} T{tokens} Hq{hq} Hk{hk} D{dim}",
+                                    block_t=block_t, warps=warps, ms=t, frac=floor / t))
+        rope_ops.tokens_per_program = default_tokens
         print(f"rope {batch} {tokens} done", file=sys.stderr, flush=True)
 
 
@@ -134,7 +138,7 @@ def summarize(results):
         if key not in best or r["ms"] < best[key]["ms"]:
             best[key] = r
     for key, r in sorted(best.items(), key=lambda kv: str(kv[0])):
-        cfg = {k: v for k, v in r.items() if k in ("block_m", "block", "warps", "per_sm")}
+        cfg = {k: v for k, v in r.items() if k in ("block_m", "block", "block_t", "warps", "per_sm")}
         print(f"{key[0]:9s} {key[1] or key[3]} x {key[2] or ''}: best {r['ms']:.4f} ms "
               f"({100 * r['frac']:.0f}% of copy BW) {cfg}")
 

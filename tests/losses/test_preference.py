@@ -279,6 +279,7 @@ def test_kto_matches_reference(reference):
         kto_loss(x, w, target, labels.float())
 
 
+@pytest.mark.exhaustive  # Inductor's C++ build on the CPU (~25 s); tests/losses/test_compile.py traces the losses
 def test_compiled_path_matches_uncompiled():
     """torch.compile(grad_and_value(chunk), dynamic=True) gives the eager results (to rounding)."""
     x, w, b, target = make(*SHAPE, bias=True)

@@ -29,7 +29,7 @@ from tigon.ops._common import (
     new_output,
     next_pow2,
 )
-from tigon.ops._internals import launch
+from tigon.ops._internals import interpreter_enabled, launch
 
 # tigon's activation names -> the kernels' code.
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu_erf": 2}
@@ -63,8 +63,9 @@ def glu_launch_config(n_cols: int) -> tuple[int, int]:
     rows are walked as one: a size that does not change with the batch, which a compiled graph
     may not specialise on). On an H100 (benchmarks/tuning/tune_kernels.py, bf16) blocks of 4096
     with 16 warps ran at 94-98% of copy bandwidth; short rows take one block of the row's size
-    with a warp per 256 elements."""
-    block = min(4096, next_pow2(n_cols))
+    with a warp per 256 elements. Triton's interpreter: blocks of 4096 always (its cost is per
+    program, nearly not per element)."""
+    block = 4096 if interpreter_enabled() else min(4096, next_pow2(n_cols))
     return block, max(2, min(16, block // 256))
 
 

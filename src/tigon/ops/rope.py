@@ -36,64 +36,66 @@ from tigon.ops._common import (
     poison_,
     traced,
 )
-from tigon.ops._internals import assert_on_device, launch
+from tigon.ops._internals import assert_on_device, interpreter_enabled, launch
 
 
 @triton.jit
-def rope_load_heads(X, sxb, sxh, sxt, b, t, n_heads, n_first, n_second, BLOCK_H: tl.constexpr,
+def rope_load_heads(X, sxb, sxh, sxt, b, t, tok_mask, n_heads, n_first, n_second, BLOCK_H: tl.constexpr,
                     BLOCK_D: tl.constexpr, INTERLEAVED: tl.constexpr, UNEQUAL: tl.constexpr):
-    """(x1, p1, x2) [BLOCK_H, BLOCK_D] (fp32) of every head of token (b, t): the rotated part is
-    two blocks, [0, n_first) and [n_first, R); x1 = x[d], p1 = x[n_second + d] (the partner of the
-    first block's d), x2 = x[n_first + d] (the second block). Equal blocks: p1 is x2."""
+    """(x1, p1, x2) [BLOCK_T, BLOCK_H, BLOCK_D] (fp32) of every head of tokens (b, t) [BLOCK_T]:
+    the rotated part is two blocks, [0, n_first) and [n_first, R); x1 = x[d], p1 = x[n_second + d]
+    (the partner of the first block's d), x2 = x[n_first + d] (the second block). Equal blocks:
+    p1 is x2."""
     h = tl.arange(0, BLOCK_H)
-    base = X + b * sxb + t * sxt + h[:, None] * sxh
+    base = X + (b * sxb + t * sxt)[:, None, None] + h[None, :, None] * sxh
+    heads = tok_mask[:, None, None] & (h[None, :, None] < n_heads)
     if INTERLEAVED:
         # One contiguous load of the pairs, split in registers: loads and stores at stride 2
         # ran at a tenth of copy bandwidth on an H100 (123 ms against 12.4 ms a step of
         # torchtune's Llama-3.2-1B at batch 128 x 512).
         e = tl.arange(0, 2 * BLOCK_D)
-        x = tl.load(base + e[None, :], mask=(h[:, None] < n_heads) & (e[None, :] < 2 * n_first), other=0.0)
-        x1, x2 = tl.split(tl.reshape(x.to(tl.float32), [BLOCK_H, BLOCK_D, 2]))
+        x = tl.load(base + e[None, None, :], mask=heads & (e[None, None, :] < 2 * n_first), other=0.0)
+        x1, x2 = tl.split(tl.reshape(x.to(tl.float32), [x.shape[0], BLOCK_H, BLOCK_D, 2]))
         return x1, x2, x2
-    d = tl.arange(0, BLOCK_D)
-    first = (h[:, None] < n_heads) & (d[None, :] < n_first)
-    p1 = tl.load(base + n_second + d[None, :], mask=first, other=0.0).to(tl.float32)
+    d = tl.arange(0, BLOCK_D)[None, None, :]
+    first = heads & (d < n_first)
+    p1 = tl.load(base + n_second + d, mask=first, other=0.0).to(tl.float32)
     if UNEQUAL:  # odd R: the blocks differ by one, x1 also partners the second block
-        second = (h[:, None] < n_heads) & (d[None, :] < n_second)
-        x1 = tl.load(base + d[None, :], mask=first | second, other=0.0).to(tl.float32)
-        x2 = tl.load(base + n_first + d[None, :], mask=second, other=0.0).to(tl.float32)
+        second = heads & (d < n_second)
+        x1 = tl.load(base + d, mask=first | second, other=0.0).to(tl.float32)
+        x2 = tl.load(base + n_first + d, mask=second, other=0.0).to(tl.float32)
     else:
-        x1 = tl.load(base + d[None, :], mask=first, other=0.0).to(tl.float32)
+        x1 = tl.load(base + d, mask=first, other=0.0).to(tl.float32)
         x2 = p1
     return x1, p1, x2
 
 
 @triton.jit
 def rope_store_heads(
-    X, sxb, sxh, sxt, Y, syb, syh, syt, b, t, n_heads, head_dim, n_first, n_second, x1, p1, x2, c1, c2, s1, s2,
+    X, sxb, sxh, sxt, Y, syb, syh, syt, b, t, tok_mask, n_heads, head_dim, n_first, n_second,
+    x1, p1, x2, c1, c2, s1, s2,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
-    """y1 = x1 c1 - p1 s1 (first block), y2 = x2 c2 + x1 s2 (second block); dims past the
-    rotated part are copied from X."""
+    """y1 = x1 c1 - p1 s1 (first block), y2 = x2 c2 + x1 s2 (second block), with c1 .. s2
+    [BLOCK_T, BLOCK_D]; dims past the rotated part are copied from X."""
     h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    y_base = Y + b * syb + t * syt + h[:, None] * syh
-    y1 = x1 * c1[None, :] - p1 * s1[None, :]
-    y2 = x2 * c2[None, :] + x1 * s2[None, :]
+    y_base = Y + (b * syb + t * syt)[:, None, None] + h[None, :, None] * syh
+    heads = tok_mask[:, None, None] & (h[None, :, None] < n_heads)
+    y1 = x1 * c1[:, None, :] - p1 * s1[:, None, :]
+    y2 = x2 * c2[:, None, :] + x1 * s2[:, None, :]
     if INTERLEAVED:  # pairs joined back in registers, one contiguous store (see rope_load_heads)
-        e = tl.arange(0, 2 * BLOCK_D)
-        y = tl.reshape(tl.join(y1, y2), [BLOCK_H, 2 * BLOCK_D])
-        tl.store(y_base + e[None, :], y.to(Y.dtype.element_ty),
-                 mask=(h[:, None] < n_heads) & (e[None, :] < 2 * n_first))
+        e = tl.arange(0, 2 * BLOCK_D)[None, None, :]
+        y = tl.reshape(tl.join(y1, y2), [y1.shape[0], BLOCK_H, 2 * BLOCK_D])
+        tl.store(y_base + e, y.to(Y.dtype.element_ty), mask=heads & (e < 2 * n_first))
     else:
-        tl.store(y_base + d[None, :], y1.to(Y.dtype.element_ty), mask=(h[:, None] < n_heads) & (d[None, :] < n_first))
-        tl.store(y_base + n_first + d[None, :], y2.to(Y.dtype.element_ty),
-                 mask=(h[:, None] < n_heads) & (d[None, :] < n_second))
+        d = tl.arange(0, BLOCK_D)[None, None, :]
+        tl.store(y_base + d, y1.to(Y.dtype.element_ty), mask=heads & (d < n_first))
+        tl.store(y_base + n_first + d, y2.to(Y.dtype.element_ty), mask=heads & (d < n_second))
     if BLOCK_PASS > 0:
-        p = n_first + n_second + tl.arange(0, BLOCK_PASS)
-        pass_mask = (h[:, None] < n_heads) & (p[None, :] < head_dim)
-        x_base = X + b * sxb + t * sxt + h[:, None] * sxh
-        tl.store(y_base + p[None, :], tl.load(x_base + p[None, :], mask=pass_mask), mask=pass_mask)
+        p = n_first + n_second + tl.arange(0, BLOCK_PASS)[None, None, :]
+        pass_mask = heads & (p < head_dim)
+        x_base = X + (b * sxb + t * sxt)[:, None, None] + h[None, :, None] * sxh
+        tl.store(y_base + p, tl.load(x_base + p, mask=pass_mask), mask=pass_mask)
 
 
 @triton.jit
@@ -101,13 +103,14 @@ def rope_kernel(
     Q, sqb, sqh, sqt, K, skb, skh, skt,
     QO, sqob, sqoh, sqot, KO, skob, skoh, skot,
     COS, SIN, scb, sct, POS, spb, spt,
-    seq_len, n_q_heads, n_k_heads, head_dim, n_first, n_second,
-    HAS_POS: tl.constexpr, BACKWARD: tl.constexpr,
+    n_tokens, seq_len, n_q_heads, n_k_heads, head_dim, n_first, n_second,
+    HAS_POS: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_PASS: tl.constexpr,
     INTERLEAVED: tl.constexpr = False, UNEQUAL: tl.constexpr = False,
 ):
-    """One program per token (b, t): loads its cos/sin row once and rotates every q and k head.
-    All loads are issued before the first store (the compiler may not move loads past stores).
+    """One program per BLOCK_T tokens (b, t): loads their cos/sin rows once and rotates every q
+    and k head. All loads are issued before the first store (the compiler may not move loads
+    past stores).
 
     The R rotated dims are two blocks, [0, n_first) and [n_first, R): d of the first pairs with
     n_second + d, n_first + d of the second with d. The forward has n_first = R - R//2 and
@@ -117,18 +120,20 @@ def rope_kernel(
     and negated (for equal halves: dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1). Interleaved:
     n_first = n_second = R/2 pairs, one angle each.
     """
-    pid = tl.program_id(0).to(tl.int64)
-    b = pid // seq_len
-    t = pid % seq_len
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_mask = tok < n_tokens
+    b = tok // seq_len
+    t = tok % seq_len
     if HAS_POS:
-        row = tl.load(POS + b * spb + t * spt).to(tl.int64)
-        cs_offset = row * sct
+        row = tl.load(POS + b * spb + t * spt, mask=tok_mask, other=0).to(tl.int64)
+        cs_offset = (row * sct)[:, None]
     else:
-        cs_offset = b * scb + t * sct
-    d = tl.arange(0, BLOCK_D)
-    dm1 = d < n_first
+        cs_offset = (b * scb + t * sct)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    tm = tok_mask[:, None]
+    dm1 = tm & (d < n_first)
     if UNEQUAL:
-        dm2 = d < n_second
+        dm2 = tm & (d < n_second)
         dm_both = dm1 | dm2
     else:  # equal halves: one length, one mask (the code of the even case)
         n_second = n_first
@@ -150,14 +155,24 @@ def rope_kernel(
             s2 = tl.load(SIN + cs_offset + n_first + d, mask=dm2, other=0.0).to(tl.float32)
     if BACKWARD:
         s1, s2 = -s1, -s2
-    q1, qp, q2 = rope_load_heads(Q, sqb, sqh, sqt, b, t, n_q_heads, n_first, n_second, BLOCK_HQ, BLOCK_D,
-                                 INTERLEAVED, UNEQUAL)
-    k1, kp, k2 = rope_load_heads(K, skb, skh, skt, b, t, n_k_heads, n_first, n_second, BLOCK_HK, BLOCK_D,
-                                 INTERLEAVED, UNEQUAL)
-    rope_store_heads(Q, sqb, sqh, sqt, QO, sqob, sqoh, sqot, b, t, n_q_heads, head_dim, n_first, n_second,
-                     q1, qp, q2, c1, c2, s1, s2, BLOCK_HQ, BLOCK_D, BLOCK_PASS, INTERLEAVED)
-    rope_store_heads(K, skb, skh, skt, KO, skob, skoh, skot, b, t, n_k_heads, head_dim, n_first, n_second,
-                     k1, kp, k2, c1, c2, s1, s2, BLOCK_HK, BLOCK_D, BLOCK_PASS, INTERLEAVED)
+    q1, qp, q2 = rope_load_heads(Q, sqb, sqh, sqt, b, t, tok_mask, n_q_heads, n_first, n_second, BLOCK_HQ,
+                                 BLOCK_D, INTERLEAVED, UNEQUAL)
+    k1, kp, k2 = rope_load_heads(K, skb, skh, skt, b, t, tok_mask, n_k_heads, n_first, n_second, BLOCK_HK,
+                                 BLOCK_D, INTERLEAVED, UNEQUAL)
+    rope_store_heads(Q, sqb, sqh, sqt, QO, sqob, sqoh, sqot, b, t, tok_mask, n_q_heads, head_dim, n_first,
+                     n_second, q1, qp, q2, c1, c2, s1, s2, BLOCK_HQ, BLOCK_D, BLOCK_PASS, INTERLEAVED)
+    rope_store_heads(K, skb, skh, skt, KO, skob, skoh, skot, b, t, tok_mask, n_k_heads, head_dim, n_first,
+                     n_second, k1, kp, k2, c1, c2, s1, s2, BLOCK_HK, BLOCK_D, BLOCK_PASS, INTERLEAVED)
+
+
+def tokens_per_program(n_tokens, elements_per_token) -> int:
+    """BLOCK_T of rope_kernel. The GPU: 1 (a token's heads are 1-8K elements, enough work for a
+    program). Triton's interpreter: as many tokens as fit 2**14 elements (its cost is per program
+    and per op, nearly not per element: 16 tokens a program cut a test model's RoPE time ~10x)."""
+    if not interpreter_enabled():
+        return 1
+    fit = max(1, 2**14 // max(1, elements_per_token))
+    return min(next_pow2(n_tokens), 1 << (fit.bit_length() - 1))
 
 
 def _bhtd_strides(x, unsqueeze_dim):
@@ -205,12 +220,13 @@ def rope_apply(q, k, cos, sin, position_ids, unsqueeze_dim, backward, num_warps=
     block_pass = next_pow2(n_pass) if n_pass > 0 else 0
     n_tokens = batch * seq_len
     if n_tokens and head_dim:
-        launch(rope_kernel, (n_tokens,),
+        block_t = tokens_per_program(n_tokens, (next_pow2(n_q_heads) + next_pow2(n_k_heads)) * head_dim)
+        launch(rope_kernel, (triton.cdiv(n_tokens, block_t),),
             q, *_bhtd_strides(q, unsqueeze_dim), k, *_bhtd_strides(k, unsqueeze_dim),
             q_out, *_bhtd_strides(q_out, unsqueeze_dim), k_out, *_bhtd_strides(k_out, unsqueeze_dim),
             cos3, sin3, scb, sct, pos, spb, spt,
-            seq_len, n_q_heads, n_k_heads, head_dim, n_first, n_second,
-            HAS_POS=position_ids is not None, BACKWARD=backward,
+            n_tokens, seq_len, n_q_heads, n_k_heads, head_dim, n_first, n_second,
+            HAS_POS=position_ids is not None, BACKWARD=backward, BLOCK_T=block_t,
             BLOCK_HQ=next_pow2(n_q_heads), BLOCK_HK=next_pow2(n_k_heads),
             BLOCK_D=block_d, BLOCK_PASS=block_pass, INTERLEAVED=interleaved, UNEQUAL=n_first != n_second,
             # H100, bf16: 4 warps for up to 2K elements a token, else 8 (83-88% of copy bandwidth).
