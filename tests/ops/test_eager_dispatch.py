@@ -46,11 +46,31 @@ def rms_norm_training(x, w):
     return y, x.grad, w.grad
 
 
-def test_plain_eager_call_skips_the_dispatcher(dispatcher_calls):
-    x, w = randn((5, 48), torch.float32), randn((48,), torch.float32)
-    rms_norm_training(x, w)
+def _hot_op_calls():
+    """{op: a forward call on fresh leaves} for the ops of ``tigon bench --host``."""
+    def leaf(*shape):
+        return randn(shape, torch.float32, requires_grad=True)
+
+    target = torch.tensor([3, -100, 0, 7, 1], device=DEVICE)
+    return dict(
+        rms_norm=lambda: TF.rms_norm(leaf(5, 48), leaf(48)),
+        layer_norm=lambda: TF.layer_norm(leaf(5, 48), leaf(48), leaf(48)),
+        rope=lambda: torch.cat([t.flatten() for t in TF.apply_rotary_pos_emb(
+            leaf(1, 4, 5, 16), leaf(1, 2, 5, 16), randn((1, 5, 16), torch.float32), randn((1, 5, 16), torch.float32))]),
+        swiglu=lambda: TF.swiglu(leaf(5, 40), leaf(5, 40)),
+        cross_entropy=lambda: TF.cross_entropy(leaf(5, 11), target),
+        fused_linear_cross_entropy=lambda: TF.fused_linear_cross_entropy(leaf(5, 16), leaf(11, 16), target),
+    )
+
+
+@pytest.mark.parametrize("op", list(_hot_op_calls()))
+def test_plain_eager_call_skips_the_dispatcher(op, dispatcher_calls):
+    """Forward and backward (rope's backward op takes stride lists: still direct)."""
+    call = _hot_op_calls()[op]
+    out = call()
+    out.sum().backward()
     with torch.no_grad():
-        TF.rms_norm(x, w)
+        call()
     assert dispatcher_calls == []
 
 

@@ -52,13 +52,13 @@ class TigonOp:
     torch.func, DTensor and dispatch modes see, and what opcheck takes) and, for a plain eager call
     (``tigon.ops._internals.plain_eager_call``), the same body and the autograd formula given to
     ``register_autograd`` run directly through one autograd.Function, without torch's dispatcher.
-    Both paths run one definition. Ops that mutate an argument, take lists of tensors or are
-    called with keywords always take the dispatcher."""
+    Both paths run one definition. Ops that mutate an argument, take lists of tensors (which
+    autograd.Function would not see) or are called with keywords always take the dispatcher."""
 
     def __init__(self, library_op, body, mutates_args):
         self.library_op, self._body = library_op, body
         parameters = inspect.signature(body, eval_str=True).parameters.values()
-        self._direct = not mutates_args and not any("list" in str(p.annotation).lower() for p in parameters)
+        self._direct = not mutates_args and not any(_is_tensor_list(p.annotation) for p in parameters)
         self._function = None  # the autograd.Function of the eager path, once a formula is registered
 
     def __call__(self, *args, **kwargs):
@@ -90,6 +90,13 @@ class TigonOp:
 
     def __getattr__(self, name):  # register_fake, _opoverload, ...: the library op's
         return getattr(self.library_op, name)
+
+
+def _is_tensor_list(annotation) -> bool:
+    """Whether a schema annotation is a list of tensors (list[Tensor], Optional[list[Tensor]], ...);
+    list[int] (strides, sizes) is not."""
+    text = str(annotation).lower()
+    return "list" in text and "tensor" in text
 
 
 def custom_op(name: str, *, mutates_args=()):
@@ -189,9 +196,11 @@ def capturing() -> bool:
 
 
 def new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialised buffer a kernel will fill (NaN-filled when poisoning is on)."""
-    if _POISON_OUTPUTS:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    """An uninitialised buffer a kernel will fill (when poisoning is on: NaN-filled, an integer
+    buffer filled with its dtype's lowest value)."""
+    if _POISON_OUTPUTS and dtype != torch.bool:
+        fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
+        return torch.full(shape, fill, dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 
 

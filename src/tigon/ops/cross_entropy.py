@@ -104,10 +104,9 @@ def resolve_label_checks(wait: bool = False) -> None:
                              "call's loss was NaN)")
 
 
-def _queue_label_check(bad, target, n_classes, ignore_index):
+def _queue_label_check(stats, n_classes, ignore_index):
+    """Queue the check of ``stats`` (int64 [2] on the GPU: bad labels found, the largest of them)."""
     resolve_label_checks()
-    lowest = torch.iinfo(torch.int64).min
-    stats = torch.stack([bad.any().to(torch.int64), torch.where(bad, target.to(torch.int64), lowest).max()])
     found = torch.empty(2, dtype=torch.int64, pin_memory=True)
     found.copy_(stats, non_blocking=True)
     event = torch.cuda.Event()
@@ -467,11 +466,17 @@ def check_label_range(target, n_classes, ignore_index, defer=False) -> None:
             assert_on_device(~bad.any(), f"target holds a label outside [0, {n_classes}) and not "
                                          f"ignore_index={ignore_index}")
         elif target.is_cuda and defer:
-            _queue_label_check(bad, target, n_classes, ignore_index)
+            lowest = torch.iinfo(torch.int64).min
+            _queue_label_check(torch.stack([bad.any().to(torch.int64),
+                                            torch.where(bad, target.to(torch.int64), lowest).max()]),
+                               n_classes, ignore_index)
         elif bool(bad.any()):
-            first = target[bad][0].item()
-            raise ValueError(f"target holds {first}, outside [0, {n_classes}) and not ignore_index={ignore_index} "
-                             "(set TIGON_CHECK_LABELS=0 to skip this check, which syncs with the GPU)")
+            _raise_bad_label(target[bad][0].item(), n_classes, ignore_index)
+
+
+def _raise_bad_label(label, n_classes, ignore_index):
+    raise ValueError(f"target holds {label}, outside [0, {n_classes}) and not ignore_index={ignore_index} "
+                     "(set TIGON_CHECK_LABELS=0 to skip this check, which syncs with the GPU)")
 
 
 def kernel_target_and_options(target, opts: CrossEntropyOptions):
@@ -512,6 +517,80 @@ def cross_entropy_norms(target, opts: CrossEntropyOptions):
         ce = count
     norms = torch.stack((ce, count))
     return torch.cat((torch.where(norms != 0, norms, torch.ones_like(norms)), weight_sum.reshape(1)))
+
+
+@triton.jit
+def norms_and_label_stats_kernel(
+    TARGET, WEIGHT, NORMS, STATS, n_rows, n_classes, ignore_index,
+    MEAN: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program: NORMS fp32 [3] as ``cross_entropy_norms`` forms them, and STATS int64 [2] =
+    (labels outside [0, n_classes) and not ignore_index, the largest of them) for the label check:
+    one launch where the torch formulas take eight or more (host time at small batches)."""
+    offs = tl.arange(0, BLOCK)
+    count = tl.zeros([BLOCK], dtype=tl.int32)
+    n_bad = tl.zeros([BLOCK], dtype=tl.int32)
+    worst = tl.full([BLOCK], -9223372036854775807 - 1, dtype=tl.int64)
+    w_y = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_rows, BLOCK):
+        rows = start + offs
+        y = tl.load(TARGET + rows, mask=rows < n_rows, other=ignore_index).to(tl.int64)
+        valid = (rows < n_rows) & (y != ignore_index)
+        bad = valid & ((y < 0) | (y >= n_classes))
+        count += valid.to(tl.int32)
+        n_bad += bad.to(tl.int32)
+        worst = tl.maximum(worst, tl.where(bad, y, -9223372036854775807 - 1))
+        if HAS_WEIGHT and MEAN:
+            good = valid & ~bad
+            w_y += tl.load(WEIGHT + tl.where(good, y, 0), mask=good, other=0.0).to(tl.float32)
+    weight_sum = 0.0
+    if HAS_WEIGHT:
+        w_acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_classes, BLOCK):
+            cols = start + offs
+            w_acc += tl.load(WEIGHT + cols, mask=cols < n_classes, other=0.0).to(tl.float32)
+        weight_sum = tl.sum(w_acc, axis=0)
+    if MEAN:
+        z_norm = tl.sum(count, axis=0).to(tl.float32)
+        ce_norm = tl.sum(w_y, axis=0) if HAS_WEIGHT else z_norm
+        ce_norm = tl.where(ce_norm != 0.0, ce_norm, 1.0)  # all rows ignored: the sums are 0, so is the loss
+        z_norm = tl.where(z_norm != 0.0, z_norm, 1.0)
+    else:
+        ce_norm = 1.0
+        z_norm = 1.0
+    tl.store(NORMS, ce_norm)
+    tl.store(NORMS + 1, z_norm)
+    tl.store(NORMS + 2, weight_sum)
+    tl.store(STATS, tl.sum(n_bad, axis=0).to(tl.int64))
+    tl.store(STATS + 1, tl.max(worst, axis=0))
+
+
+NORMS_BLOCK = 1024  # one size for every batch: one compiled kernel (a loop over the rows, then the classes)
+
+
+def checked_norms(target, n_classes, opts: CrossEntropyOptions):
+    """The label check (``check_label_range``) and ``cross_entropy_norms`` of a cross-entropy
+    op's body, for the kernel's contiguous target [N] and options: in eager calls one kernel
+    forms both, and the check reads its two numbers (one host sync, or queued inside
+    ``deferred_label_checks``); traced calls take the torch formulas (Inductor fuses them)."""
+    if traced(target):
+        check_label_range(target, n_classes, opts.ignore_index, opts.defer_label_check)
+        return cross_entropy_norms(target, opts)
+    device = target.device
+    norms = new_output((3,), torch.float32, device)
+    stats = new_output((2,), torch.int64, device)
+    launch(norms_and_label_stats_kernel, (1,),
+           target, opts.weight if opts.weight is not None else norms, norms, stats, target.shape[0], n_classes,
+           opts.ignore_index, MEAN=opts.reduction == "mean", HAS_WEIGHT=opts.weight is not None,
+           BLOCK=NORMS_BLOCK)
+    if CHECK_LABELS and target.numel() and not capturing() and not target.is_meta:
+        if target.is_cuda and opts.defer_label_check:
+            _queue_label_check(stats, n_classes, opts.ignore_index)
+        else:
+            n_bad, label = stats.tolist()
+            if n_bad:
+                _raise_bad_label(label, n_classes, opts.ignore_index)
+    return norms
 
 
 def cross_entropy_rows(logits2, target, norms, grad, opts: CrossEntropyOptions):
@@ -624,9 +703,8 @@ def _check_cross_entropy_args(logits, target, opts: CrossEntropyOptions) -> None
 def _cross_entropy(logits2, target, opts: CrossEntropyOptions, grad):
     """Checked logits2 [N, V] (unit last stride) -> op_loss_outputs; d loss / d logits for
     grad_output 1 into ``grad`` (None: not computed; it may be logits2)."""
-    check_label_range(target, logits2.shape[1], opts.ignore_index, opts.defer_label_check)
     target, opts = kernel_target_and_options(target, opts)
-    norms = cross_entropy_norms(target, opts)
+    norms = checked_norms(target, logits2.shape[1], opts)
     loss_rows, z_rows, predicted = cross_entropy_rows(logits2, target, norms, grad, opts)
     return op_loss_outputs(loss_rows, z_rows, predicted, norms, target, opts, logits2)
 

@@ -44,9 +44,9 @@ from tigon.ops._common import (
 from tigon.ops.cross_entropy import (
     N_OPTIONS,
     CrossEntropyOptions,
-    check_label_range,
     check_option_values,
     check_target_and_class_weight,
+    checked_norms,
     cross_entropy_norms,
     cross_entropy_rows,
     fake_op_loss_outputs,
@@ -238,9 +238,8 @@ def fused_linear_cross_entropy_op(
                                defer_label_check)
     _check_values(opts, chunk_budget, accum_dtype)
     _check_args(x, weight, target, bias, opts, accum_dtype)
-    check_label_range(target, weight.shape[0], opts.ignore_index, opts.defer_label_check)
     x2, target, opts, chunk_rows = _kernel_inputs(x, weight, target, opts, chunk_budget)
-    norms = cross_entropy_norms(target, opts)
+    norms = checked_norms(target, weight.shape[0], opts)
     in_forward = reduction != "none"  # "none": the gradient depends on each row's grad_output
     loss_rows, z_rows, predicted, dx, dw, db = flce_chunks(
         x2, weight, bias, target, norms, opts, need_dx=need_dx and in_forward, need_dw=need_dw and in_forward,
