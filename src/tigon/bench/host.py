@@ -122,18 +122,36 @@ def kernel_launches(fn: Callable, device) -> int | None:
 
 
 def measure(device="cuda", n: int = 300, launches: bool = True, warmup: int = 20, repeats: int = 5) -> list[dict]:
-    """One row per (op, implementation): host microseconds (host_us_per_call's ``n``, ``warmup``,
-    ``repeats``) and kernel launches per fwd+bwd call."""
+    """One row per (op, implementation): host microseconds per fwd+bwd call, the best of
+    ``repeats`` rounds of ``n`` calls (``rounds_us``: every round's), and kernel launches per call.
+    An op's implementations take turns within each round, in an order that rotates from round to
+    round, so that the host's drift (seconds to minutes; up to 40% between runs on the H200's)
+    reaches each of them alike and their ratios hold."""
     rows = []
     lean = _internals.lean_eager_enabled()
+
+    def timed(impl, fn, calls, warm):
+        _internals.set_lean_eager(lean and impl != "tigon via dispatcher")
+        try:
+            return host_us_per_call(fn, calls, warm, 1, device)
+        finally:
+            _internals.set_lean_eager(lean)
+
     for op, impls in cases(device).items():
-        for impl, fn in impls.items():
+        names = list(impls)
+        rounds = {impl: [] for impl in names}
+        for impl in names:
+            timed(impl, impls[impl], 1, warmup)  # compiles and warms each before any round
+        for r in range(repeats):
+            for impl in names[r % len(names):] + names[:r % len(names)]:
+                rounds[impl].append(timed(impl, impls[impl], n, 0))
+        for impl in names:
             _internals.set_lean_eager(lean and impl != "tigon via dispatcher")
             try:
-                rows.append(dict(op=op, impl=impl, host_us=host_us_per_call(fn, n, warmup, repeats, device),
-                                 launches=kernel_launches(fn, device) if launches else None))
+                count = kernel_launches(impls[impl], device) if launches else None
             finally:
                 _internals.set_lean_eager(lean)
+            rows.append(dict(op=op, impl=impl, host_us=min(rounds[impl]), rounds_us=rounds[impl], launches=count))
     return rows
 
 
