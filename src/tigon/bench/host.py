@@ -6,6 +6,7 @@ dispatcher (the path traced and moded calls take), Liger-Kernel (when installed)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -130,10 +131,11 @@ def measure(device="cuda", n: int = 300, launches: bool = True, warmup: int = 20
     rows = []
     lean = _internals.lean_eager_enabled()
 
-    def timed(impl, fn, calls, warm):
+    @contextlib.contextmanager
+    def path_of(impl):  # "tigon via dispatcher" runs with the direct eager path off
         _internals.set_lean_eager(lean and impl != "tigon via dispatcher")
         try:
-            return host_us_per_call(fn, calls, warm, 1, device)
+            yield
         finally:
             _internals.set_lean_eager(lean)
 
@@ -141,16 +143,15 @@ def measure(device="cuda", n: int = 300, launches: bool = True, warmup: int = 20
         names = list(impls)
         rounds = {impl: [] for impl in names}
         for impl in names:
-            timed(impl, impls[impl], 1, warmup)  # compiles and warms each before any round
+            with path_of(impl):
+                host_us_per_call(impls[impl], 1, warmup, 1, device)  # compiles and warms each before any round
         for r in range(repeats):
             for impl in names[r % len(names):] + names[:r % len(names)]:
-                rounds[impl].append(timed(impl, impls[impl], n, 0))
+                with path_of(impl):
+                    rounds[impl].append(host_us_per_call(impls[impl], n, 0, 1, device))
         for impl in names:
-            _internals.set_lean_eager(lean and impl != "tigon via dispatcher")
-            try:
+            with path_of(impl):
                 count = kernel_launches(impls[impl], device) if launches else None
-            finally:
-                _internals.set_lean_eager(lean)
             rows.append(dict(op=op, impl=impl, host_us=min(rounds[impl]), rounds_us=rounds[impl], launches=count))
     return rows
 

@@ -385,9 +385,8 @@ def per_token_logps(x, weight, selected_token_ids, attention_mask=None, bias=Non
     reference's pass of GRPO (``old_per_token_logps`` / ``ref_per_token_logps``) on the same
     kernel and no backward buffer. The head runs on the completion tokens only (one host sync
     finds them; every token without attention_mask), in chunks of ``chunk_sequences * T`` tokens or
-    of the chunk budget's. With
-    compute_entropy, also each token's entropy [B, T] (0 where attention_mask is 0; one more
-    pass of the head): returns (logps, entropy)."""
+    of the chunk budget's. With compute_entropy, also each token's entropy [B, T] (0 where
+    attention_mask is 0; one more pass of the head): returns (logps, entropy)."""
     if x.ndim != 3 or tuple(selected_token_ids.shape) != tuple(x.shape[:2]):
         raise ValueError(f"x must be [B, T, H] and selected_token_ids [B, T], got {tuple(x.shape)} and "
                          f"{tuple(selected_token_ids.shape)}")
