@@ -5,6 +5,7 @@
 #   OUT=/some/dir bash scripts/gpu_proof.sh quick|demo|ops-a|ops-b|losses|train|sweep|host|shapes|
 #                                            compile-check|compile-profile|compile-llama-ab|launch-check|
 #                                            compile-qwen|compile-llama|
+#                                            e2e-eager|e2e-compiled|e2e-class|e2e-graphs|
 #                                            catalogue|moe|torchtune|tests
 #   (several: one after the other; one device call runs 10 minutes at most, so ops-a and ops-b
 #   are separate calls). Merge the op halves afterwards (no GPU):
@@ -139,6 +140,49 @@ case "$part" in
       --isolate --warmup 2 --timed-tokens ${TIMED_TOKENS:-49152} ${COMPILE_MODE:+--compile-mode $COMPILE_MODE} \
       --out "$OUT/train" 2>&1 | grep -v -i "warn\|backend impl" \
       | tee "$OUT/train/train_${shape}_compile_sweep.log" || status=1
+    ;;
+  e2e-eager|e2e-compiled|e2e-graphs|e2e-class)  # issue 38's end-to-end table: its runs dealt out
+    # over the machine's GPUs (run side by side, each GPU's share one after the other): eager batch
+    # sweeps of both shapes, the Llama sequence sweep, the host-cost table and the GPU tests in TESTS;
+    # compiled batch sweeps (HF and tigon's instance patch; e2e-class: tigon's class patch and
+    # Liger); CUDA graphs (reduce-overhead) at batch 16. Join a shape's JSONs with train_hf.py --merge.
+    mkdir -p "$OUT/e2e"
+    llama="--shape llama-1b --batches 16 32 64 128 256 512"
+    qwen="--shape qwen2.5-0.5b --batches 16 32 64 128 256 512 1024"
+    graphs="--batch 16 --compile-mode reduce-overhead"
+    runs=()  # "NAME|train_hf.py arguments", or "NAME|!shell command"
+    case "$part" in
+      e2e-eager) runs=("llama_eager|$llama --impls hf,liger,tigon-class,tigon"
+                       "qwen_eager|$qwen --impls hf,liger,tigon-class,tigon"
+                       "llama_seq_eager|--shape llama-1b --batch 4 --seqs 512 1024 2048 4096 8192 16384 32768 --impls hf,liger,tigon"
+                       "host|!python3 -m tigon_cli bench --host --out $OUT/e2e/host"
+                       "gpu_tests|!python3 -m pytest -q --gpu -p no:cacheprovider -n 4 ${TESTS:-tests/ops/test_rope.py}") ;;
+      e2e-compiled) runs=("llama_compiled|$llama --impls hf+compile,tigon+compile"
+                          "qwen_compiled|$qwen --impls hf+compile,tigon+compile") ;;
+      e2e-class) runs=("llama_compiled_class|$llama --impls tigon-class+compile,liger+compile"
+                       "qwen_compiled_class|$qwen --impls tigon-class+compile,liger+compile") ;;
+      e2e-graphs) runs=("llama_graphs|--shape llama-1b $graphs --impls hf+compile,tigon+compile"
+                        "qwen_graphs|--shape qwen2.5-0.5b $graphs --impls hf+compile,tigon+compile") ;;
+    esac
+    n_gpus=$(nvidia-smi -L | wc -l)
+    deadline=$(( $(date +%s) + ${SWEEP_TIMEOUT:-540} ))
+    for ((gpu = 0; gpu < n_gpus; gpu++)); do
+      (
+        export CUDA_VISIBLE_DEVICES=$gpu TORCHINDUCTOR_COMPILE_THREADS=$(( $(nproc) / n_gpus ))
+        for ((i = gpu; i < ${#runs[@]}; i += n_gpus)); do
+          name=${runs[i]%%|*} what=${runs[i]#*|}
+          left=$(( deadline - $(date +%s) ))
+          [ "$left" -gt 10 ] || { echo "no time left for $name" >> "$OUT/e2e/skipped.log"; continue; }
+          if [ "${what:0:1}" = "!" ]; then
+            timeout "$left" bash -c "${what:1}" > "$OUT/e2e/$name.log" 2>&1
+          else
+            timeout "$left" python3 benchmarks/train_hf.py --isolate --seq 512 --warmup 2 \
+              --timed-tokens ${TIMED_TOKENS:-49152} --out "$OUT/e2e/$name" $what > "$OUT/e2e/$name.log" 2>&1
+          fi
+        done
+      ) &
+    done
+    wait
     ;;
   torchtune)  # the torchtune + torch.compile study (carry torchtune and its wheels, see its README
     # section); IMPLS: a subset (one device call runs about two), joined with train_torchtune.py --merge

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from tigon.ops._common import (
     capturing,
+    cdiv,
     check_same_device,
     check_same_dtype,
     check_tensor,
@@ -177,9 +178,8 @@ def tokens_per_program(n_tokens, elements_per_token) -> int:
 
 def _bhtd_strides(x, unsqueeze_dim):
     """Strides of x in (batch, head, token) order for either HF layout."""
-    if unsqueeze_dim == 1:  # [B, H, T, D]
-        return x.stride(0), x.stride(1), x.stride(2)
-    return x.stride(0), x.stride(2), x.stride(1)  # [B, T, H, D]
+    sb, s1, s2, _ = x.stride()
+    return (sb, s1, s2) if unsqueeze_dim == 1 else (sb, s2, s1)  # [B, H, T, D] or [B, T, H, D]
 
 
 def _unit_last_stride(x):
@@ -221,7 +221,7 @@ def rope_apply(q, k, cos, sin, position_ids, unsqueeze_dim, backward, num_warps=
     n_tokens = batch * seq_len
     if n_tokens and head_dim:
         block_t = tokens_per_program(n_tokens, (next_pow2(n_q_heads) + next_pow2(n_k_heads)) * head_dim)
-        launch(rope_kernel, (triton.cdiv(n_tokens, block_t),),
+        launch(rope_kernel, (cdiv(n_tokens, block_t),),
             q, *_bhtd_strides(q, unsqueeze_dim), k, *_bhtd_strides(k, unsqueeze_dim),
             q_out, *_bhtd_strides(q_out, unsqueeze_dim), k_out, *_bhtd_strides(k_out, unsqueeze_dim),
             cos3, sin3, scb, sct, pos, spb, spt,
