@@ -43,7 +43,7 @@ import time
 
 import torch
 
-from tigon.bench.shapes import SHAPES  # the model shapes, shared with `tigon plan`
+from tigon.shapes import SHAPES  # the model shapes, shared with `tigon plan`
 
 # --tiny (hidden): the same families at toy size, for a CPU smoke run under TRITON_INTERPRET=1
 # (special tokens inside the vocabulary; mrope_section: the 8 frequencies of head_dim 16).
@@ -263,7 +263,7 @@ def data_parallel(model, parallel):
         return DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if DEVICE == "cuda" else None)
     from torch.distributed.fsdp import fully_shard
 
-    from tigon.planner import decoder_layers
+    from tigon.hf_model import decoder_layers
 
     for layer in decoder_layers(model):
         fully_shard(layer)

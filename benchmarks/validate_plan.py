@@ -1,5 +1,5 @@
 """The memory planner against the GPU: for each shape, sequence length and batch, the peak that
-``tigon.planner.predict_step`` predicts and the peak one measures (torch.cuda.max_memory_allocated
+``tigon.planning.predict_step`` predicts and the peak one measures (torch.cuda.max_memory_allocated
 over two training steps: the optimizer's state is created in the first), for HF and for HF +
 tigon, with the error in percent. Run on a CUDA machine:
 ``PYTHONPATH=src python benchmarks/validate_plan.py --shapes llama-1b --seqs 512 1024 --tokens 4096 16384``.
@@ -24,8 +24,9 @@ import torch
 from train_hf import SHAPES, make_batches, new_model  # next to this script
 
 import tigon
-from tigon.bench.shapes import shape_config
-from tigon.planner import predict_step, set_checkpointing
+from tigon.hf_model import set_checkpointing
+from tigon.planning import predict_step
+from tigon.shapes import shape_config
 
 GiB = 2**30
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tests.helpers import DEVICE
-from tigon import planner
 from tigon.bench.ops import OP_NAMES
 from tigon.cli import build_parser, env_report, main
+from tigon.planning import planner
 
 
 def test_env_reports_versions_and_how_kernels_run():

@@ -1,4 +1,4 @@
-"""The memory planner (tigon.planner, tigon.memory_trace) and tigon.patch(checkpointing=...):
+"""The memory planner (tigon.planning: planner, memory_trace) and tigon.patch(checkpointing=...):
 the meta-device trace's arithmetic, the trace against a real step's allocations (CPU, tigon's
 kernels in the interpreter), the recommendation, the checkpointing policy, ``tigon plan``."""
 
@@ -9,16 +9,10 @@ import torch
 
 import tigon
 from tests.helpers import DEVICE
-from tigon.memory_trace import AllocationTracker, allocated_bytes, planning_attention_installed
-from tigon.planner import (
-    GiB,
-    decoder_layers,
-    parse_bytes,
-    plan,
-    predict_step,
-    recommend,
-    set_checkpointing,
-)
+from tigon.hf_model import decoder_layers, set_checkpointing
+from tigon.planning import memory_trace, plan, predict_step, recommend
+from tigon.planning.memory_trace import AllocationTracker, allocated_bytes, planning_attention_installed
+from tigon.sizes import GiB, parse_bytes
 
 transformers = pytest.importorskip("transformers")
 
@@ -65,7 +59,7 @@ def test_planning_attention_keeps_no_attention_matrix():
     tracker = AllocationTracker()
     with planning_attention_installed(), tracker:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    assert torch.nn.functional.scaled_dot_product_attention is not tigon.memory_trace.planning_attention
+    assert torch.nn.functional.scaled_dot_product_attention is not memory_trace.planning_attention
     assert out.shape == q.shape
     assert tracker.current == q.nbytes + 2 * 4 * 512 * 4  # the output and the log-sum-exp
 
@@ -275,6 +269,27 @@ def test_patch_checkpointing_fixed_counts():
     assert set_checkpointing(model, 2) == [0, 2]
     assert [layer.gradient_checkpointing for layer in decoder_layers(model)] == [True, False, True, False]
     assert set_checkpointing(model, 0) == []
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="a CPU model under the interpreter")
+def test_family_patcher_installs_checkpointing_and_the_kernel_patch_refuses_it(kernels):
+    """tigon.patch_<family>(model, checkpointing=...) composes the kernel patch with checkpointing;
+    tigon.patching's own patch functions patch kernels only and say where the option belongs."""
+    model = _tiny_model()
+    with pytest.raises(ValueError, match="tigon.patch / tigon.patch_<family>"):
+        tigon.patching.patch(model, checkpointing="all")
+    with pytest.raises(ValueError, match="tigon.patch / tigon.patch_<family>"):
+        tigon.patching.patch_llama(model, checkpointing=2)
+    assert "forward" not in vars(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    try:
+        report = tigon.patch_llama(model, checkpointing=2)
+        assert "2 decoder layers" in str(report)
+        model(input_ids=ids, labels=ids).loss.backward()
+        assert [layer.gradient_checkpointing for layer in decoder_layers(model)] == [True, False, True, False]
+    finally:
+        tigon.unpatch()
+    assert "forward" not in vars(model)
 
 
 def test_cli_plan_on_a_config_file(tmp_path, capsys):

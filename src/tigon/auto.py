@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from tigon.api import patch
+from tigon.patching import PATCH_OPTION_NAMES
+
 
 def _split(kwargs):
     """(patch options, the rest for transformers) from one set of keyword arguments."""
-    from tigon.patching import PATCH_OPTION_NAMES
-
     options = {k: kwargs.pop(k) for k in PATCH_OPTION_NAMES if k in kwargs}
     if "patch_options" in kwargs:
         options["options"] = kwargs.pop("patch_options")
@@ -36,7 +37,5 @@ class AutoModelForCausalLM:
 
 
 def _patched(model, options):
-    from tigon.patching import patch
-
     model.tigon_report = patch(model, **options)
     return model

@@ -84,7 +84,7 @@ def _positive_int(text: str) -> int:
 
 
 def _memory_size(text: str) -> int:
-    from tigon.planner import parse_bytes
+    from tigon.sizes import parse_bytes
 
     try:
         return parse_bytes(text)
@@ -138,8 +138,8 @@ def _output_file(text: str) -> str:
 
 
 def _model_config(name: str, argument: str):
-    """The causal LM config ``name`` gives (tigon.planner.load_config); BadArgument otherwise."""
-    from tigon.planner import ConfigError, check_causal_lm, load_config
+    """The causal LM config ``name`` gives (tigon.planning.load_config); BadArgument otherwise."""
+    from tigon.planning.planner import ConfigError, check_causal_lm, load_config
 
     try:
         config = load_config(name)
@@ -284,7 +284,8 @@ def _plan(args) -> int:
 
     import torch
 
-    from tigon.planner import default_gpu_memory, parse_bytes, plan
+    from tigon.planning import default_gpu_memory, plan
+    from tigon.sizes import parse_bytes
 
     config = _model_config(args.model, "model")
     gpu_memory = args.gpu_memory or default_gpu_memory() or parse_bytes("80GiB")

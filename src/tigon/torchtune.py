@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from tigon import functional as TF
-from tigon.ops._common import thread_flag
+from tigon.ambient import thread_flag
 from tigon.ops.cross_entropy import deferred_label_checks
 from tigon.ops.glu_mlp import gated_mlp
 from tigon.patching.forwards import _CHECKPOINTED_LAYERS, identify_activation

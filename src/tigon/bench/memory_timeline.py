@@ -65,7 +65,7 @@ def run(model_name: str, batch: int, seq: int, out: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     import tigon
-    from tigon.planner import load_config, predict_step
+    from tigon.planning import load_config, predict_step
 
     config = load_config(model_name)
     os.makedirs(out, exist_ok=True)

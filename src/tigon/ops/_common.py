@@ -12,7 +12,6 @@ import functools
 import inspect
 import math
 import os
-import threading
 from typing import NamedTuple
 
 import torch
@@ -42,7 +41,7 @@ def set_poison_outputs(enabled: bool) -> None:
 _TRITON_OPS = os.environ.get("TIGON_TRITON_OPS", "1") != "0"
 KERNEL_OPS: list[str] = []  # the names registered through kernel_op, in registration order
 # Every tigon op's Python body by qualified name ("tigon::rms_norm"): a memory-planning trace
-# (tigon.memory_trace) runs it on meta tensors, so that the buffers it allocates are counted
+# (tigon.planning.memory_trace) runs it on meta tensors, so that the buffers it allocates are counted
 # (launches on meta tensors do nothing), where the fake implementation would give outputs only.
 OP_BODIES: dict = {}
 
@@ -159,26 +158,6 @@ def chunk_budget_bytes(chunk_budget) -> int:
         raise ValueError(f"chunk_budget must be a positive number of bytes (or None for "
                          f"{DEFAULT_CHUNK_BUDGET // 2**20} MiB), got {chunk_budget!r}")
     return chunk_budget
-
-
-class ThreadFlag(threading.local):
-    """A per-thread flag, off in every thread until ``thread_flag`` sets it. Each thread's
-    value exists from its first access (threading.local runs __init__ per thread), so that
-    torch.compile's guards on it read the same before and after a first call sets it."""
-
-    def __init__(self):
-        self.on = False
-
-
-@contextlib.contextmanager
-def thread_flag(local: ThreadFlag, value: bool = True):
-    """``local.on = value`` for the block, then what it was before."""
-    before = local.on
-    local.on = value
-    try:
-        yield
-    finally:
-        local.on = before
 
 
 def next_pow2(n: int) -> int:

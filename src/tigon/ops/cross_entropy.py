@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from tigon.ambient import ThreadFlag, thread_flag
 from tigon.ops._common import (
-    ThreadFlag,
     capturing,
     cdiv,
     check_same_device,
@@ -49,7 +49,6 @@ from tigon.ops._common import (
     new_output,
     next_pow2,
     or_empty,
-    thread_flag,
     traced,
 )
 from tigon.ops._internals import assert_on_device, graph_retained, launch

@@ -1,4 +1,5 @@
-"""Patch Hugging Face transformers models with tigon's kernels (see ``families.FAMILIES``)."""
+"""Patch Hugging Face transformers models with tigon's kernels (see ``families.FAMILIES``). Activation
+checkpointing is not this package's: ``tigon.patch`` (tigon.api) adds it from tigon.planning."""
 
 from tigon.patching.families import BY_MODEL_TYPE, FAMILIES, Family
 from tigon.patching.forwards import TigonPatchError
@@ -8,8 +9,10 @@ from tigon.patching.patcher import (
     PatchReport,
     apply_family,
     family_patcher,
+    kernels_only,
     patch,
     patched,
+    set_instance_attribute,
     unpatch,
 )
 
@@ -71,4 +74,5 @@ patch_gemma4_vl = family_patcher("gemma4_vl")
 PATCHERS = {name: value for name, value in globals().items() if name.startswith("patch_")}
 
 __all__ = ["BY_MODEL_TYPE", "FAMILIES", "Family", "PATCH_OPTION_NAMES", "PatchOptions", "PatchReport",
-           "TigonPatchError", "apply_family", "patch", "patched", "unpatch", *PATCHERS]
+           "TigonPatchError", "apply_family", "kernels_only", "patch", "patched",
+           "set_instance_attribute", "unpatch", *PATCHERS]

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from tigon import functional as TF
-from tigon.memory_trace import planning
+from tigon.ambient import ThreadFlag, planning, thread_flag
 from tigon.ops import TiedGradSlot
-from tigon.ops._common import ThreadFlag, is_dtensor, thread_flag
+from tigon.ops._common import is_dtensor
 from tigon.ops.cross_entropy import deferred_label_checks
 from tigon.ops.glu import TORCH_ACTIVATIONS
 from tigon.ops.glu_mlp import gated_mlp, glu_down

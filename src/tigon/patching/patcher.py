@@ -34,7 +34,6 @@ from torch import nn
 
 from tigon.ops._common import chunk_budget_bytes
 from tigon.ops._internals import PRIVATE_APIS
-from tigon.patching.checkpointing import CheckpointingPolicy, check_checkpointing, make_checkpointing_forward
 from tigon.patching.families import BY_MODEL_TYPE, FAMILIES, Family
 from tigon.patching.forwards import (
     IGNORE_CAUSAL_MASK_PARAMS,
@@ -66,6 +65,7 @@ from tigon.patching.forwards import (
     tigon_apply_gate,
     tigon_apply_rotary_pos_emb,
 )
+from tigon.sizes import parse_bytes
 
 log = logging.getLogger("tigon")
 
@@ -84,7 +84,7 @@ class PatchOptions:
     LayerNorm1P); checkpointing: which decoder layers activation checkpointing recomputes
     ('auto': as few as the memory planner finds fit ``memory_budget``, chosen at the first
     training forward of each batch shape; 'none', 'all' or a number of layers; None: left to
-    HF), a built model only (tigon.patching.checkpointing); memory_budget: the bytes (or a
+    HF), a built model only (tigon.planning.checkpointing, installed by tigon.patch); memory_budget: the bytes (or a
     string such as '70GiB') a step's allocations may reach under 'auto' (None: 92% of the
     GPU's memory)."""
 
@@ -107,8 +107,6 @@ class PatchOptions:
             chunk_budget_bytes(self.chunk_budget)
         check_checkpointing(self.checkpointing)
         if self.memory_budget is not None:
-            from tigon.planner import parse_bytes
-
             parse_bytes(self.memory_budget, "memory_budget")
             if self.checkpointing != "auto":
                 raise ValueError("memory_budget is for checkpointing='auto' (got checkpointing="
@@ -123,6 +121,28 @@ class PatchOptions:
 
 
 PATCH_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(PatchOptions))
+CHECKPOINTING_CHOICES = ("auto", "none", "all")
+
+
+def check_checkpointing(value) -> None:
+    """Raise naming the option when ``value`` is not a checkpointing setting."""
+    if value is None or value in CHECKPOINTING_CHOICES:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"checkpointing must be 'auto', 'none', 'all', a number of decoder layers or None, "
+                         f"got {value!r}")
+
+
+def kernels_only(opts: PatchOptions) -> PatchOptions:
+    """``opts`` without the checkpointing options: what this package's patch functions take
+    (``tigon.patch`` installs checkpointing after them, tigon.planning.checkpointing)."""
+    return dataclasses.replace(opts, checkpointing=None, memory_budget=None)
+
+
+def _refuse_checkpointing(opts: PatchOptions, caller: str) -> None:
+    if opts.checkpointing is not None:
+        raise ValueError(f"{caller} patches kernels only: checkpointing={opts.checkpointing!r} is installed by "
+                         "tigon.patch / tigon.patch_<family> (with the memory planner)")
 
 
 def patch_options(options: PatchOptions | None = None, **kwargs) -> PatchOptions:
@@ -211,6 +231,12 @@ def _set_shared(owner, name, value, undo):
         _SHARED_ORIGINALS[key] = (owner, name, before)
     undo.append((owner, name, before))
     setattr(owner, name, value)
+
+
+def set_instance_attribute(inst, name: str, fn, report: PatchReport) -> None:
+    """``inst.<name>`` set to call ``fn(inst, ...)``, recorded in ``report`` for unpatch (the seam
+    through which tigon.planning installs checkpointing on a patched model)."""
+    _set_instance(inst, name, fn, report.undo)
 
 
 def _set_instance(inst, name, fn, undo):
@@ -778,6 +804,7 @@ def patch(model: nn.Module, options: PatchOptions | None = None, **kwargs) -> Pa
         raise TypeError(f"model must be an nn.Module (a built model), got {type(model).__name__}; "
                         "to patch a family's classes use tigon.patch_<family>()")
     opts = patch_options(options, **kwargs)
+    _refuse_checkpointing(opts, "tigon.patching.patch")
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     family = BY_MODEL_TYPE.get(model_type)
     if family is not None:
@@ -791,25 +818,8 @@ def patch(model: nn.Module, options: PatchOptions | None = None, **kwargs) -> Pa
             report.skipped.append(("loss", "only patched for the families in tigon.FAMILIES"))
         log.info("%s", report)
     if not report.replaced:
-        warnings.warn(f"tigon.patch found nothing to patch in {type(model).__name__}:\n{report}", stacklevel=2)
-    _install_checkpointing(model, opts, report)
+        warnings.warn(f"tigon.patch found nothing to patch in {type(model).__name__}:\n{report}", stacklevel=3)
     return report
-
-
-def _install_checkpointing(model: nn.Module, opts: PatchOptions, report: PatchReport) -> None:
-    """The checkpointing option on a built model: its forward sets the decoder layers' flags first."""
-    if opts.checkpointing is None:
-        return
-    from tigon.planner import decoder_layers
-
-    if not decoder_layers(model):
-        raise ValueError(f"checkpointing={opts.checkpointing!r}: {type(model).__name__} has no decoder layers HF "
-                         "can checkpoint")
-    policy = CheckpointingPolicy(opts.checkpointing, opts.memory_budget, opts)
-    _set_instance(model, "forward", make_checkpointing_forward(model.forward, policy), report.undo)
-    what = {"auto": "auto (the fewest layers the memory planner finds fit, per batch shape)", "none": "none",
-            "all": "every decoder layer"}.get(opts.checkpointing, f"{opts.checkpointing} decoder layers")
-    report.replaced.append(("checkpointing", what, "1"))
 
 
 def family_patcher(name: str):
@@ -822,12 +832,8 @@ def family_patcher(name: str):
             raise TypeError(f"patch_{name}'s first argument is the model to patch (or None for the classes), got "
                             f"{type(model).__name__}; options are keyword-only")
         opts = patch_options(options, **kwargs)
-        if model is None and opts.checkpointing is not None:
-            raise ValueError(f"checkpointing={opts.checkpointing!r} needs a built model: patch_{name}(model, ...)")
-        report = apply_family(family, opts, model)
-        if model is not None:
-            _install_checkpointing(model, opts, report)
-        return report
+        _refuse_checkpointing(opts, f"tigon.patching.patch_{name}")
+        return apply_family(family, opts, model)
 
     patch_family.__name__ = patch_family.__qualname__ = f"patch_{name}"
     patch_family.__doc__ = (

@@ -1,7 +1,7 @@
 """The memory planner: a training step's peak GPU memory predicted from a model's config, and
 the batch size and activation checkpointing that fit a memory budget at the best tokens/s.
 
-A prediction runs one training step of the model on the meta device (tigon.memory_trace):
+A prediction runs one training step of the model on the meta device (tigon.planning.memory_trace):
 parameters, gradients, optimizer state, every activation and transient in autograd's order, with
 HF's own code and, with ``tigon=True``, tigon's patched modules and ops. Nothing is downloaded but
 the config, nothing is computed, and a step takes about a second for an 8B model.
@@ -25,9 +25,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tigon.memory_trace import Allocation, AllocationTracker, MemoryTrace, planning_step
+from tigon.hf_model import decoder_layers, set_checkpointing
+from tigon.patching import PatchOptions, patch
+from tigon.planning.memory_trace import Allocation, AllocationTracker, MemoryTrace, planning_step
+from tigon.shapes import SHAPES, shape_config
+from tigon.sizes import GiB, parse_bytes
 
-GiB = 2**30
 # The optimizers whose state a prediction allocates (_optimizer_state_tensors): AdamW keeps
 # exp_avg and exp_avg_sq in the parameters' dtype; 8-bit AdamW both as one byte a value (fp32
 # scales a 256-value block); plain SGD none.
@@ -40,27 +43,6 @@ USABLE_FRACTION = 0.92
 # batches are slower per token. Only the ranking uses them; the printed figure is labelled an estimate.
 ASSUMED_FLOPS = 500e12
 STEP_OVERHEAD_S = 0.03
-
-
-def parse_bytes(value, name: str = "memory") -> int:
-    """Bytes from an int or a string such as "80GiB", "80 GB", "81920MiB" (GB = 10**9)."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be a number of bytes or a string like '80GiB', got {value!r}")
-    if isinstance(value, (int, float)):
-        if value <= 0:
-            raise ValueError(f"{name} must be positive, got {value!r}")
-        return int(value)
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a number of bytes or a string like '80GiB', got {type(value).__name__}")
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*", value, re.IGNORECASE)
-    if not match:
-        raise ValueError(f"{name} must look like '80GiB', '80GB' or '85899345920', got {value!r}")
-    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
-    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
-    if number <= 0:
-        raise ValueError(f"{name} must be positive, got {value!r}")
-    return int(number * scale)
 
 
 class ConfigError(ValueError):
@@ -81,12 +63,11 @@ _MODEL_FORMS = "a shape name, a folder with config.json, a config.json or a hub 
 
 def load_config(model_or_config):
     """A transformers config from a config object, a built model, a shape name of
-    tigon.bench.shapes (offline), a folder or config.json path, or a hub id ``namespace/name``
+    tigon.shapes (offline), a folder or config.json path, or a hub id ``namespace/name``
     (only its config.json is fetched; from the local cache when HF_HUB_OFFLINE is set or the
     hub does not answer). A name that gives no config raises ConfigError."""
     from transformers import PretrainedConfig
 
-    from tigon.bench.shapes import SHAPES, shape_config
 
     if isinstance(model_or_config, PretrainedConfig):
         return model_or_config
@@ -267,48 +248,6 @@ def _unpacked_sequences():
         masking_utils.find_packed_sequence_indices = original
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The modules HF checkpoints one at a time (its GradientCheckpointingLayer instances), in order."""
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:  # older transformers: the layers carry the flag themselves
-        GradientCheckpointingLayer = ()
-    layers = [m for m in model.modules()
-              if (GradientCheckpointingLayer and isinstance(m, GradientCheckpointingLayer))
-              or (not GradientCheckpointingLayer and hasattr(m, "gradient_checkpointing") and m is not model)]
-    return layers
-
-
-def checkpointed_indices(n_layers: int, n_checkpointed: int) -> list[int]:
-    """Which of ``n_layers`` layers to checkpoint when checkpointing ``n_checkpointed`` of them:
-    spread evenly (every k-th layer), the first included."""
-    if n_checkpointed <= 0:
-        return []
-    if n_checkpointed >= n_layers:
-        return list(range(n_layers))
-    return sorted({math.floor(i * n_layers / n_checkpointed) for i in range(n_checkpointed)})
-
-
-def set_checkpointing(model: nn.Module, n_checkpointed: int) -> list[int]:
-    """Checkpoint ``n_checkpointed`` decoder layers of ``model`` (0: none; every layer at least
-    its count), spread evenly; HF's checkpointing function installed first where it is missing
-    (non-reentrant). Returns the checkpointed layers' indices."""
-    layers = decoder_layers(model)
-    if not layers:
-        raise ValueError(f"{type(model).__name__} has no decoder layers HF can checkpoint")
-    chosen = checkpointed_indices(len(layers), n_checkpointed)
-    if chosen and not all(hasattr(layer, "_gradient_checkpointing_func") for layer in layers):
-        kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x's name
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    wanted = set(chosen)
-    for i, layer in enumerate(layers):
-        layer.gradient_checkpointing = i in wanted
-    return chosen
-
-
 def _checkpoint_count(checkpointing, n_layers: int) -> int:
     if checkpointing is None or checkpointing is False or checkpointing == "none":
         return 0
@@ -446,8 +385,6 @@ class StepTracer:
         self.config = load_config(model_or_config)
         self.model = meta_model(self.config, dtype)
         if tigon:
-            from tigon.patching import PatchOptions, patch
-
             options = dataclasses.replace(patch_options or PatchOptions(), checkpointing=None, memory_budget=None)
             patch(self.model, options)
         self.tigon, self.optimizer, self.progress = tigon, optimizer, progress
@@ -711,5 +648,5 @@ def plan(model_or_config, seq: int, *, batch: int | None = None, gpu_memory=None
     return MemoryPlan(name, seq, budget, out["hf"], out["tigon"], out["hf_rec"], out["tigon_rec"])
 
 
-__all__ = ["FlopModel", "MemoryPlan", "Recommendation", "StepMemory", "parse_bytes", "plan", "predict_step",
-           "recommend", "set_checkpointing", "usable_bytes"]
+__all__ = ["ConfigError", "FlopModel", "MemoryPlan", "Recommendation", "StepMemory", "default_gpu_memory",
+           "load_config", "plan", "predict_step", "recommend", "usable_bytes"]

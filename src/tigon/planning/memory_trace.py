@@ -8,13 +8,12 @@ On meta, SDPA would take its math path and keep the [B, heads, T, T] attention m
 step runs with ``planning_attention`` instead, which allocates what the GPU's fused kernels keep
 (q, k, v, the output and the log-sum-exp; an additive mask where one is given) and their
 backward's fp32 accumulator. tigon's ops take meta tensors (their registered fake
-implementations give the output shapes); ``tigon.planner`` adds their internal workspaces.
+implementations give the output shapes); ``tigon.planning.planner`` adds their internal workspaces.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from array import array
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from tigon.ambient import PLANNING, thread_flag
 from tigon.ops._common import OP_BODIES
 
 ALLOCATION_ROUNDING = 512  # bytes: CUDA's caching allocator rounds every block up to this
@@ -154,25 +154,11 @@ def planning_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
     return _PlanningAttention.apply(query, key, value, mask)
 
 
-_PLANNING = threading.local()
-
-
-def planning() -> bool:
-    """True inside ``planning_step()`` (this thread): code that refuses meta tensors in normal
-    use (tigon's MoE experts leave meta weights to HF's forward) takes them there."""
-    return getattr(_PLANNING, "on", False)
-
-
 @contextlib.contextmanager
 def planning_step():
-    """A planning trace's block: planning() is True and SDPA is planning_attention."""
-    before = planning()
-    _PLANNING.on = True
-    try:
-        with planning_attention_installed():
-            yield
-    finally:
-        _PLANNING.on = before
+    """A planning trace's block: tigon.ambient.planning() is True and SDPA is planning_attention."""
+    with thread_flag(PLANNING), planning_attention_installed():
+        yield
 
 
 @contextlib.contextmanager

@@ -1,8 +1,8 @@
 """``tigon.patch(model, checkpointing=...)``: which decoder layers HF's activation checkpointing
-recomputes, set before each training forward.
+recomputes, set before each training forward (installed on a patched model by ``tigon.patch``).
 
 - ``"auto"``: at the first training forward of each (batch, seq) shape the planner
-  (tigon.planner) predicts the step's peak with no layer checkpointed and picks the fewest
+  (tigon.planning.planner) predicts the step's peak with no layer checkpointed and picks the fewest
   layers (spread evenly) whose checkpointing keeps it within ``memory_budget``; none when the
   whole step fits, every layer when nothing less does (with a warning when even that does not).
 - ``"none"`` / ``"all"`` / a number of layers: that many, every forward.
@@ -19,28 +19,20 @@ import logging
 import warnings
 
 import torch
+from torch import nn
+
+from tigon.hf_model import checkpointed_indices, decoder_layers, set_checkpointing
+from tigon.patching import PatchOptions, PatchReport, set_instance_attribute
+from tigon.planning.planner import default_gpu_memory, recommend, usable_bytes
+from tigon.sizes import GiB, parse_bytes
 
 log = logging.getLogger("tigon")
 
-CHECKPOINTING_CHOICES = ("auto", "none", "all")
-
-
-def check_checkpointing(value) -> None:
-    """Raise naming the option when ``value`` is not a checkpointing setting."""
-    if value is None or value in CHECKPOINTING_CHOICES:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"checkpointing must be 'auto', 'none', 'all', a number of decoder layers or None, "
-                         f"got {value!r}")
-
-
 class CheckpointingPolicy:
-    """The setting, the budget (bytes; None: the model's GPU's, as tigon.planner.usable_bytes),
+    """The setting, the budget (bytes; None: the model's GPU's, as tigon.planning.planner.usable_bytes),
     the patch options to plan with, and the choice made for each (batch, seq)."""
 
     def __init__(self, setting, memory_budget, patch_options):
-        from tigon.planner import parse_bytes
-
         self.setting = setting
         self.budget = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
         self.patch_options = patch_options
@@ -60,8 +52,6 @@ class CheckpointingPolicy:
         return self.chosen[key]
 
     def _plan(self, model, batch, seq, n_layers) -> int:
-        from tigon.planner import GiB, default_gpu_memory, recommend, usable_bytes
-
         budget = self.budget
         if budget is None:
             gpu = default_gpu_memory()
@@ -93,8 +83,6 @@ def _input_shape(args, kwargs):
 
 @torch.compiler.disable
 def _apply(policy: CheckpointingPolicy, model, args, kwargs) -> None:
-    from tigon.planner import checkpointed_indices, decoder_layers, set_checkpointing
-
     if not (model.training and torch.is_grad_enabled()):
         return
     shape = _input_shape(args, kwargs)
@@ -122,3 +110,18 @@ def make_checkpointing_forward(inner, policy: CheckpointingPolicy):
     forward.__signature__ = signature.replace(parameters=[self_param, *signature.parameters.values()])
     forward._tigon = "checkpointing"
     return forward
+
+
+def install_checkpointing(model: nn.Module, opts: PatchOptions, report: PatchReport) -> None:
+    """``opts.checkpointing`` on a built, patched model (nothing when None): its forward sets the
+    decoder layers' flags first; the report gains a line and the undo."""
+    if opts.checkpointing is None:
+        return
+    if not decoder_layers(model):
+        raise ValueError(f"checkpointing={opts.checkpointing!r}: {type(model).__name__} has no decoder layers HF "
+                         "can checkpoint")
+    policy = CheckpointingPolicy(opts.checkpointing, opts.memory_budget, opts)
+    set_instance_attribute(model, "forward", make_checkpointing_forward(model.forward, policy), report)
+    what = {"auto": "auto (the fewest layers the memory planner finds fit, per batch shape)", "none": "none",
+            "all": "every decoder layer"}.get(opts.checkpointing, f"{opts.checkpointing} decoder layers")
+    report.replaced.append(("checkpointing", what, "1"))
