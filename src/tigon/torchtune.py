@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tigon import ambient
 from tigon import functional as TF
-from tigon.ambient import thread_flag
-from tigon.ops.cross_entropy import deferred_label_checks
+from tigon.ambient import deferred_label_checks, thread_flag
 from tigon.ops.glu_mlp import gated_mlp
-from tigon.patching.forwards import _CHECKPOINTED_LAYERS, identify_activation
+from tigon.patching.forwards import identify_activation
 
 # Instance attributes ``patch`` sets (functions marked ``_tigon``), removed by ``unpatch``.
 _PATCHED_ATTRS = ("forward", "unembed")
@@ -113,7 +113,7 @@ def _make_feed_forward_forward(activation: str, ends_layer: bool):
         if torch.compiler.is_compiling():  # the flag read only without the attribute: no guard on it
             checkpointed = getattr(self, "_tigon_checkpointed", None)
             if checkpointed is None:
-                checkpointed = _CHECKPOINTED_LAYERS.on
+                checkpointed = ambient.CHECKPOINTED_LAYERS.on
         # The layer adds the MLP's output to the residual and saves nothing after it: the
         # MLP may keep only its input in a checkpointed layer. When its output goes straight into
         # the residual (no post-MLP norm, as Gemma 2's, which saves it) and torchtune
@@ -140,7 +140,7 @@ def _make_decoder_forward(original):
             for module in self._tigon_feed_forwards:
                 if getattr(module, "_tigon_checkpointed", None) is not checkpointed:
                     module._tigon_checkpointed = checkpointed
-        with thread_flag(_CHECKPOINTED_LAYERS, checkpointed):
+        with thread_flag(ambient.CHECKPOINTED_LAYERS, checkpointed):
             return original(*args, **kwargs)
     return forward
 

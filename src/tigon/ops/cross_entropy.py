@@ -27,9 +27,7 @@ for its registered backward; ``tigon::cross_entropy_`` writes it over the logits
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -37,7 +35,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from tigon.ambient import ThreadFlag, thread_flag
+from tigon import ambient
+from tigon.ambient import thread_flag
 from tigon.ops._common import (
     capturing,
     cdiv,
@@ -56,25 +55,6 @@ from tigon.ops._jit_math import tanh_and_sech2
 
 REDUCTIONS = ("mean", "sum", "none")
 
-# Label range check: one host sync per call (a clear error instead of a kernel reading
-# outside the row). TIGON_CHECK_LABELS=0 skips it, as does CUDA-graph capture; out-of-range
-# labels then give a NaN loss. Inside ``deferred_label_checks()`` (the patched HF models' loss)
-# a CUDA call does not wait: it queues the check and a later call raises once the result has
-# arrived; the call with the bad label gives a NaN loss meanwhile.
-CHECK_LABELS = os.environ.get("TIGON_CHECK_LABELS", "1") != "0"
-_DEFERRAL = ThreadFlag()
-_PENDING_LABEL_CHECKS: collections.deque = collections.deque()
-MAX_PENDING_LABEL_CHECKS = 8  # beyond this the oldest check waits for its result
-
-
-def deferred_label_checks():
-    """Inside the block, label checks on CUDA do not sync the host with the GPU (see above)."""
-    return thread_flag(_DEFERRAL)
-
-
-_LABELS_CHECKED = ThreadFlag()
-
-
 @contextlib.contextmanager
 def labels_checked(target, n_classes, ignore_index):
     """Check target's labels against [0, n_classes) now, once for a whole batch (one host sync),
@@ -86,34 +66,8 @@ def labels_checked(target, n_classes, ignore_index):
         yield
         return
     check_label_range(target, n_classes, ignore_index)
-    with thread_flag(_LABELS_CHECKED):
+    with thread_flag(ambient.LABELS_CHECKED):
         yield
-
-
-def resolve_label_checks(wait: bool = False) -> None:
-    """Raise for a queued label check that found a bad label: those whose result has arrived,
-    or all of them with ``wait=True``."""
-    while _PENDING_LABEL_CHECKS and (wait or _PENDING_LABEL_CHECKS[0][0].query()):
-        event, found, n_classes, ignore_index = _PENDING_LABEL_CHECKS.popleft()
-        event.synchronize()
-        if found[0]:
-            _PENDING_LABEL_CHECKS.clear()
-            raise ValueError(f"target held {int(found[1])}, outside [0, {n_classes}) and not ignore_index="
-                             f"{ignore_index}, in an earlier call (checked without waiting for the GPU; that "
-                             "call's loss was NaN)")
-
-
-def _queue_label_check(stats, n_classes, ignore_index):
-    """Queue the check of ``stats`` (int64 [2] on the GPU: bad labels found, the largest of them)."""
-    resolve_label_checks()
-    found = torch.empty(2, dtype=torch.int64, pin_memory=True)
-    found.copy_(stats, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    _PENDING_LABEL_CHECKS.append((event, found, n_classes, ignore_index))
-    if len(_PENDING_LABEL_CHECKS) > MAX_PENDING_LABEL_CHECKS:
-        _PENDING_LABEL_CHECKS[0][0].synchronize()
-        resolve_label_checks()
 
 
 @triton.jit
@@ -438,7 +392,7 @@ def checked_cross_entropy_options(ignore_index=-100, reduction="mean", label_smo
     return CrossEntropyOptions(ignore_index, reduction, float(label_smoothing), weight, float(lse_square_scale),
                                None if softcap is None else float(softcap), bool(use_token_scaling),
                                bool(return_z_loss), bool(return_token_accuracy), bool(return_predicted_tokens),
-                               bool(_DEFERRAL.on))
+                               bool(ambient.DEFERRED_LABEL_CHECKS.on))
 
 
 def check_target_and_class_weight(target, n_rows, n_classes, weight) -> None:
@@ -456,17 +410,17 @@ def check_target_and_class_weight(target, n_rows, n_classes, weight) -> None:
 
 
 def check_label_range(target, n_classes, ignore_index, defer=False) -> None:
-    """Every label in [0, n_classes) or ignore_index: a host sync (see CHECK_LABELS above), or on
-    CUDA with ``defer`` (the call was made inside ``deferred_label_checks()``) a queued check.
+    """Every label in [0, n_classes) or ignore_index: a host sync (tigon.ambient's label-check
+    policy), or on CUDA with ``defer`` (the call was made inside ``deferred_label_checks()``) a queued check.
     Real implementations only (not on meta: a memory-planning trace has no labels to read)."""
-    if CHECK_LABELS and target.numel() and not capturing() and not target.is_meta:
+    if ambient.CHECK_LABELS and target.numel() and not capturing() and not target.is_meta:
         bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
         if traced(target):  # a triton_op body traced by torch.compile: no host read possible
             assert_on_device(~bad.any(), f"target holds a label outside [0, {n_classes}) and not "
                                          f"ignore_index={ignore_index}")
         elif target.is_cuda and defer:
             lowest = torch.iinfo(torch.int64).min
-            _queue_label_check(torch.stack([bad.any().to(torch.int64),
+            ambient.queue_label_check(torch.stack([bad.any().to(torch.int64),
                                             torch.where(bad, target.to(torch.int64), lowest).max()]),
                                n_classes, ignore_index)
         elif bool(bad.any()):
@@ -492,7 +446,7 @@ def check_cross_entropy_options(target, n_rows, n_classes, opts: CrossEntropyOpt
     opts) as the kernel reads them (``kernel_target_and_options``)."""
     check_target_and_class_weight(target, n_rows, n_classes, opts.weight)
     check_option_values(opts)
-    if not _LABELS_CHECKED.on:
+    if not ambient.LABELS_CHECKED.on:
         check_label_range(target, n_classes, opts.ignore_index, opts.defer_label_check)
     return kernel_target_and_options(target, opts)
 
@@ -582,9 +536,9 @@ def checked_norms(target, n_classes, opts: CrossEntropyOptions):
            target, opts.weight if opts.weight is not None else norms, norms, stats, target.shape[0], n_classes,
            opts.ignore_index, MEAN=opts.reduction == "mean", HAS_WEIGHT=opts.weight is not None,
            BLOCK=NORMS_BLOCK)
-    if CHECK_LABELS and target.numel() and not capturing() and not target.is_meta:
+    if ambient.CHECK_LABELS and target.numel() and not capturing() and not target.is_meta:
         if target.is_cuda and opts.defer_label_check:
-            _queue_label_check(stats, n_classes, opts.ignore_index)
+            ambient.queue_label_check(stats, n_classes, opts.ignore_index)
         else:
             n_bad, label = stats.tolist()
             if n_bad:

@@ -20,7 +20,6 @@ the head's gradient (eager only; under torch.compile each op returns its own gra
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from typing import Optional
 
@@ -30,6 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from tigon import ambient
 from tigon.ops._common import cdiv, check_same_device, check_tensor, kernel_op, next_pow2
 from tigon.ops._internals import engine_will_run, launch
 
@@ -130,16 +130,6 @@ class TiedGradSlot:
         return grad
 
 
-# The slot of the op call in progress: custom ops take tensors and plain values only, so the
-# functional entries set it around the call and the ops' setup_context picks it up.
-class _SlotOfCall(threading.local):
-    def __init__(self):
-        self.slot = None  # per thread from its first access (see tigon.ops._common.ThreadFlag)
-
-
-_TIED_SLOT = _SlotOfCall()
-
-
 @contextlib.contextmanager
 def tied_grad_slot(slot: TiedGradSlot | None):
     """Within the block, an embedding or fused linear cross entropy op call records ``slot`` on
@@ -148,17 +138,13 @@ def tied_grad_slot(slot: TiedGradSlot | None):
     if slot is None or torch.compiler.is_compiling():
         yield
         return
-    before = _TIED_SLOT.slot
-    _TIED_SLOT.slot = slot
-    try:
+    with ambient.thread_value(ambient.TIED_GRAD_SLOT, slot):
         yield
-    finally:
-        _TIED_SLOT.slot = before
 
 
 def current_tied_slot() -> TiedGradSlot | None:
     """The slot set by ``tied_grad_slot`` (None under torch.compile)."""
-    return None if torch.compiler.is_compiling() else _TIED_SLOT.slot
+    return None if torch.compiler.is_compiling() else ambient.TIED_GRAD_SLOT.value
 
 
 def check_embedding_args(ids, weight, padding_idx):

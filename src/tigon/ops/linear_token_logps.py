@@ -24,12 +24,12 @@ torch.autograd, as the chunked losses do.
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from tigon import ambient
 from tigon.ops._common import accumulate_mm, check_same_device, check_tensor, custom_op, new_output
 from tigon.ops.cross_entropy import (
     CrossEntropyOptions,
@@ -92,17 +92,6 @@ class HeadGradSlot:
         self.tensor, self.grad, self.open = tensor, None, True
 
 
-class _OpenBlocks(threading.local):
-    """This thread's open accumulate_head_grads blocks, each a dict id(tensor) -> HeadGradSlot,
-    innermost last. Read by an op call's forward (setup_context runs in the caller's thread),
-    which binds the slot to its autograd node; the backward, wherever autograd runs it (a CUDA
-    backward runs on autograd's device thread), uses the slot bound there and looks nothing up."""
-
-    def __init__(self):
-        self.blocks = ()  # per thread from its first access (see tigon.ops._common.ThreadFlag)
-
-
-_OPEN_BLOCKS = _OpenBlocks()
 
 
 class HeadGradAccumulators:
@@ -130,11 +119,11 @@ def accumulate_head_grads(*tensors):
     made outside the block, or whose backward runs after the block was left, returns its
     gradients as usual; so does a traced forward or backward (torch.compile)."""
     slots = {id(t): HeadGradSlot(t) for t in tensors if t is not None}
-    _OPEN_BLOCKS.blocks = (*_OPEN_BLOCKS.blocks, slots)
+    ambient.HEAD_GRAD_BLOCKS.value = (*ambient.HEAD_GRAD_BLOCKS.value, slots)
     try:
         yield HeadGradAccumulators(slots)
     finally:
-        _OPEN_BLOCKS.blocks = tuple(b for b in _OPEN_BLOCKS.blocks if b is not slots)
+        ambient.HEAD_GRAD_BLOCKS.value = tuple(b for b in ambient.HEAD_GRAD_BLOCKS.value if b is not slots)
         for slot in slots.values():
             slot.open = False
 
@@ -142,9 +131,9 @@ def accumulate_head_grads(*tensors):
 def head_grad_slot(t):
     """For an op call's forward: t's slot in the innermost of this thread's open
     accumulate_head_grads blocks that holds t, or None (none does, t is None, or tracing)."""
-    if t is None or torch.compiler.is_compiling() or not _OPEN_BLOCKS.blocks:
+    if t is None or torch.compiler.is_compiling() or not ambient.HEAD_GRAD_BLOCKS.value:
         return None
-    for slots in reversed(_OPEN_BLOCKS.blocks):
+    for slots in reversed(ambient.HEAD_GRAD_BLOCKS.value):
         slot = slots.get(id(t))
         if slot is not None and slot.tensor is t:
             return slot
@@ -194,7 +183,9 @@ def keep_logit_grad(ctx, inputs, output, compute_grad):
     """setup_context of a linear-head row op: inputs start with (x, weight, bias), output is
     (rows, G); x and G are saved, weight and bias kept (parameters: see the note in
     tigon.ops._common), with their accumulate_head_grads slots if a block of this thread holds
-    them (bound here, in the forward: see _OpenBlocks)."""
+    them. Bound here, in the forward, which runs in the caller's thread: the backward, wherever
+    autograd runs it (a CUDA backward runs on autograd's device thread), uses the slot bound
+    here and looks nothing up."""
     x, weight, bias = inputs[:3]
     _, grad_logits = output
     ctx.set_materialize_grads(False)  # G's gradient (never used) arrives as None

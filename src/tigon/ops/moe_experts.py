@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from tigon import ambient
 from tigon.ops._common import (
     capturing,
     cdiv,
@@ -67,7 +68,6 @@ from tigon.ops._common import (
     traced,
 )
 from tigon.ops._internals import assert_on_device, launch
-from tigon.ops.cross_entropy import CHECK_LABELS
 from tigon.ops.glu import ACTIVATIONS, activation_name, glu_activation
 
 # The kernels' activation codes: tigon's GLU activations, and gpt-oss's clamped SwiGLU (-1, a
@@ -543,7 +543,7 @@ def moe_routing(top_k_index, n_experts, block_m):
     message = f"top_k_index must lie in [0, {n_experts}] ({n_experts}: no expert)"
     if ids.is_meta:  # a memory-planning trace: no values to check
         pass
-    elif CHECK_LABELS and not traced(ids) and not capturing():
+    elif ambient.CHECK_LABELS and not traced(ids) and not capturing():
         if not bool(in_range):
             raise ValueError(message + " (set TIGON_CHECK_LABELS=0 to skip this check, which syncs with the GPU)")
     else:

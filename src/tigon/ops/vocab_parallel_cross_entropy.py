@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from tigon import ambient
 from tigon.ops import cross_entropy as ce
 from tigon.ops._common import (
     capturing,
@@ -257,7 +258,7 @@ def shard_hit_counts(stats, n_rows: int, world_size: int):
 def hit_check_wanted(*tensors) -> bool:
     """Whether the shard-hit check runs: not with TIGON_CHECK_LABELS=0, during CUDA graph capture
     or while traced (it reads the hits on the host)."""
-    return ce.CHECK_LABELS and not capturing() and not traced(*tensors)
+    return ambient.CHECK_LABELS and not capturing() and not traced(*tensors)
 
 
 def check_hit_counts(hits, target, ignore_index) -> None:

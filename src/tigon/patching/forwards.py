@@ -10,17 +10,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import threading
 import types
 
 import torch
 from torch import nn
 
+from tigon import ambient
 from tigon import functional as TF
-from tigon.ambient import ThreadFlag, planning, thread_flag
+from tigon.ambient import deferred_label_checks, planning, thread_flag
 from tigon.ops import TiedGradSlot
 from tigon.ops._common import is_dtensor
-from tigon.ops.cross_entropy import deferred_label_checks
 from tigon.ops.glu import TORCH_ACTIVATIONS
 from tigon.ops.glu_mlp import gated_mlp, glu_down
 from tigon.ops.moe_experts import CLAMPED_SWIGLU
@@ -159,10 +158,6 @@ def mlp_multipliers(module: nn.Module) -> tuple[float, float]:
     return float(getattr(module, "gate_multiplier", 1.0)), float(getattr(module, "down_multiplier", 1.0))
 
 
-# Set by the patched causal-LM forward while torch.compile traces a training call of a model
-# with HF gradient checkpointing on: its layers are checkpointed regions, which the compiler
-# traces without the hooks that tell an eager call so (tigon.ops.glu_mlp.gated_mlp).
-_CHECKPOINTED_LAYERS = ThreadFlag()
 
 
 def make_mlp_forward(layout: str, keep_input_only: bool = False):
@@ -171,7 +166,7 @@ def make_mlp_forward(layout: str, keep_input_only: bool = False):
     if layout == "gate_up_down":
         def forward(self, x):
             gate_multiplier, down_multiplier = mlp_multipliers(self)
-            checkpointed = _CHECKPOINTED_LAYERS.on if torch.compiler.is_compiling() else None
+            checkpointed = ambient.CHECKPOINTED_LAYERS.on if torch.compiler.is_compiling() else None
             return _gated_mlp(x, self.gate_proj, self.up_proj, self.down_proj, mlp_activation(self),
                               keep_input_only=keep_input_only, gate_multiplier=gate_multiplier,
                               down_multiplier=down_multiplier, checkpointed=checkpointed)
@@ -451,13 +446,12 @@ def rope_drop_in(form: str):
 # Forwards that are not plain functions calling the RoPE by name fall back to a dispatcher: the
 # module function runs tigon's RoPE while a patched attention module's forward is on this
 # thread, HF's otherwise.
-_ROPE_SCOPE = ThreadFlag()
 
 
 def make_rope_dispatcher(original, drop_in=None):
     """``drop_in``: tigon's function for the form of ``original`` (None: the "half" form's)."""
     def apply_rotary_pos_emb(*args, **kwargs):
-        if _ROPE_SCOPE.on:
+        if ambient.ROPE_SCOPE.on:
             return (drop_in or tigon_apply_rotary_pos_emb)(*args, **kwargs)
         return original(*args, **kwargs)
 
@@ -479,7 +473,7 @@ def make_rope_scope(forward, drop_ins: dict):
         return scoped
 
     def scoped_forward(self, *args, **kwargs):
-        with thread_flag(_ROPE_SCOPE):
+        with thread_flag(ambient.ROPE_SCOPE):
             return forward(self, *args, **kwargs)
 
     scoped_forward._tigon = "attention with tigon's RoPE"
@@ -504,12 +498,6 @@ def shifted_labels(labels, shift_labels, ignore_index):
     return nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
-class _HeadCapture(threading.local):
-    def __init__(self):
-        self.into = None  # per thread from its first access (see tigon.ops._common.ThreadFlag)
-
-
-_HEAD_CAPTURE = _HeadCapture()
 CAPTURING_HEAD = "output head (computes the causal-LM loss from its input, no logits)"
 
 
@@ -530,7 +518,7 @@ def make_capturing_head_forward(forward):
     it runs (what torch.compile traces; class patches, whose heads are not known in advance,
     swap the head's forward for the call instead)."""
     def head_forward(self, hidden):
-        into = _HEAD_CAPTURE.into
+        into = ambient.HEAD_CAPTURE.value
         return forward(self, hidden) if into is None else _captured(into, self, hidden)
 
     head_forward._tigon = CAPTURING_HEAD
@@ -548,11 +536,8 @@ def _capturing_head(head: nn.Module, captured: dict):
     block (``_captured``), by the head's capturing
     forward when the patcher set one, else by a forward swapped in for the block."""
     if captures_loss(head):
-        before, _HEAD_CAPTURE.into = _HEAD_CAPTURE.into, captured
-        try:
+        with ambient.thread_value(ambient.HEAD_CAPTURE, captured):
             yield
-        finally:
-            _HEAD_CAPTURE.into = before
         return
 
     with _instance_forward(head, functools.partial(_captured, captured, head)):
@@ -606,7 +591,6 @@ def make_tied_embedding_forward(embed: nn.Embedding, slot: TiedGradSlot):
 
 # ---- HF's packed-sequence check ----
 
-_GENERATED_POSITIONS = ThreadFlag()
 
 
 def make_find_packed_sequence_indices(original):
@@ -616,7 +600,7 @@ def make_find_packed_sequence_indices(original):
     plain arange, so nothing is packed). Without the sync the host can queue the next step
     while the GPU finishes the last one."""
     def find_packed_sequence_indices(position_ids, *args, **kwargs):
-        if _GENERATED_POSITIONS.on:
+        if ambient.GENERATED_POSITIONS.on:
             return None
         return original(position_ids, *args, **kwargs)
 
@@ -639,7 +623,7 @@ def make_ignore_causal_mask_sdpa(original):
     H100, Qwen2.5-0.5B at batch 128: cuDNN's backward 1.40 ms a call against 0.75 with is_causal)."""
     def _ignore_causal_mask_sdpa(padding_mask, q_length, kv_length, q_offset=0, kv_offset=0,
                                  local_attention_size=None, *args, **kwargs):
-        if (_GENERATED_POSITIONS.on and padding_mask is None and not torch.is_tensor(q_offset)
+        if (ambient.GENERATED_POSITIONS.on and padding_mask is None and not torch.is_tensor(q_offset)
                 and q_offset == 0 and kv_offset == 0 and q_length == kv_length
                 and (local_attention_size is None or kv_length < local_attention_size)):
             return True
@@ -747,8 +731,8 @@ def make_causal_lm_forward(original, *, softcap_attr=None, divisor_attr=None, mo
         captured = {"loss_of": head_loss}
         with (_capturing_head(head, captured) if mode == "flce" else contextlib.nullcontext()), \
                 _instance_forward(embed, None if embed is None else make_tied_embedding_forward(embed, slot)), \
-                thread_flag(_GENERATED_POSITIONS, generated), \
-                thread_flag(_CHECKPOINTED_LAYERS, checkpointed_layers(self)):
+                thread_flag(ambient.GENERATED_POSITIONS, generated), \
+                thread_flag(ambient.CHECKPOINTED_LAYERS, checkpointed_layers(self)):
             out = original(self, **call)
         if mode == "flce":
             if "loss" not in captured:
