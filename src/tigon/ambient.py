@@ -23,15 +23,9 @@ class ThreadFlag(threading.local):
         self.on = False
 
 
-@contextlib.contextmanager
 def thread_flag(local: ThreadFlag, value: bool = True):
     """``local.on = value`` for the block, then what it was before."""
-    before = local.on
-    local.on = value
-    try:
-        yield
-    finally:
-        local.on = before
+    return _set_for_block(local, "on", value)
 
 
 class ThreadValue(threading.local):
@@ -41,15 +35,19 @@ class ThreadValue(threading.local):
         self.value = default
 
 
-@contextlib.contextmanager
 def thread_value(local: ThreadValue, value):
     """``local.value = value`` for the block, then what it was before."""
-    before = local.value
-    local.value = value
+    return _set_for_block(local, "value", value)
+
+
+@contextlib.contextmanager
+def _set_for_block(local, attribute: str, value):
+    before = getattr(local, attribute)
+    setattr(local, attribute, value)
     try:
         yield
     finally:
-        local.value = before
+        setattr(local, attribute, before)
 
 
 # ---- every per-thread state ----

@@ -92,8 +92,6 @@ class HeadGradSlot:
         self.tensor, self.grad, self.open = tensor, None, True
 
 
-
-
 class HeadGradAccumulators:
     """What accumulate_head_grads yields: ``get(t)``, the gradient added up for t, or None."""
 

@@ -84,9 +84,9 @@ class PatchOptions:
     LayerNorm1P); checkpointing: which decoder layers activation checkpointing recomputes
     ('auto': as few as the memory planner finds fit ``memory_budget``, chosen at the first
     training forward of each batch shape; 'none', 'all' or a number of layers; None: left to
-    HF), a built model only (tigon.planning.checkpointing, installed by tigon.patch); memory_budget: the bytes (or a
-    string such as '70GiB') a step's allocations may reach under 'auto' (None: 92% of the
-    GPU's memory)."""
+    HF), a built model only (tigon.planning.checkpointing, installed by tigon.patch);
+    memory_budget: the bytes (or a string such as '70GiB') a step's allocations may reach under
+    'auto' (None: 92% of the GPU's memory)."""
 
     rope: bool = True
     rms_norm: bool = True

@@ -23,10 +23,11 @@ from torch import nn
 
 from tigon.hf_model import checkpointed_indices, decoder_layers, set_checkpointing
 from tigon.patching import PatchOptions, PatchReport, set_instance_attribute
-from tigon.planning.planner import default_gpu_memory, recommend, usable_bytes
+from tigon.planning.planner import checkpoint_count, default_gpu_memory, recommend, usable_bytes
 from tigon.sizes import GiB, parse_bytes
 
 log = logging.getLogger("tigon")
+
 
 class CheckpointingPolicy:
     """The setting, the budget (bytes; None: the model's GPU's, as tigon.planning.planner.usable_bytes),
@@ -40,12 +41,8 @@ class CheckpointingPolicy:
         self.layers = None  # the model's decoder layers, found at the first training forward
 
     def layers_for(self, model, batch: int, seq: int, n_layers: int) -> int:
-        if self.setting == "none":
-            return 0
-        if self.setting == "all":
-            return n_layers
         if self.setting != "auto":
-            return min(self.setting, n_layers)
+            return checkpoint_count(self.setting, n_layers)
         key = (batch, seq)
         if key not in self.chosen:
             self.chosen[key] = self._plan(model, batch, seq, n_layers)

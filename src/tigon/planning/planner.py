@@ -16,7 +16,6 @@ forward again there.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 import re
@@ -26,7 +25,7 @@ import torch
 from torch import nn
 
 from tigon.hf_model import decoder_layers, set_checkpointing
-from tigon.patching import PatchOptions, patch
+from tigon.patching import PatchOptions, kernels_only, patch
 from tigon.planning.memory_trace import Allocation, AllocationTracker, MemoryTrace, planning_step
 from tigon.shapes import SHAPES, shape_config
 from tigon.sizes import GiB, parse_bytes
@@ -248,7 +247,8 @@ def _unpacked_sequences():
         masking_utils.find_packed_sequence_indices = original
 
 
-def _checkpoint_count(checkpointing, n_layers: int) -> int:
+def checkpoint_count(checkpointing, n_layers: int) -> int:
+    """Decoder layers a checkpointing setting ('none' / None / False, 'all' / True, a number) checkpoints."""
     if checkpointing is None or checkpointing is False or checkpointing == "none":
         return 0
     if checkpointing is True or checkpointing == "all":
@@ -385,7 +385,7 @@ class StepTracer:
         self.config = load_config(model_or_config)
         self.model = meta_model(self.config, dtype)
         if tigon:
-            options = dataclasses.replace(patch_options or PatchOptions(), checkpointing=None, memory_budget=None)
+            options = kernels_only(patch_options or PatchOptions())
             patch(self.model, options)
         self.tigon, self.optimizer, self.progress = tigon, optimizer, progress
         self.layers = decoder_layers(self.model)
@@ -396,7 +396,7 @@ class StepTracer:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         model = self.model
-        n_checkpointed = _checkpoint_count(checkpointing, len(self.layers))
+        n_checkpointed = checkpoint_count(checkpointing, len(self.layers))
         set_checkpointing(model, n_checkpointed)
         params = [p for p in model.parameters() if p.requires_grad]
         tracker = AllocationTracker(keep_timeline=keep_timeline)
