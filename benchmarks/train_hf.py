@@ -350,6 +350,8 @@ def run(impl, model_type, shape_kwargs, state, args, batch):
             start = time.perf_counter()
         if not timed:  # peaks from the warm-up steps (reading them syncs)
             _reset_peak()
+        if args.compile_mode == "reduce-overhead" and impl.endswith("+compile"):
+            torch.compiler.cudagraph_mark_step_begin()  # each step is a new run of the CUDA graphs
         loss = trained(**inputs).loss
         loss.backward()
         if not timed:
@@ -359,7 +361,7 @@ def run(impl, model_type, shape_kwargs, state, args, batch):
         opt.zero_grad(set_to_none=True)
         if not timed:
             peak_opt = max(peak_opt, _peak_bytes())
-        losses.append(loss.detach())
+        losses.append(loss.detach().clone())  # a CUDA graph's output is overwritten by its next run
     _sync()
     seconds = time.perf_counter() - start
     if world > 1:  # the mean loss over the ranks, the slowest rank's time, the largest peak

@@ -101,7 +101,10 @@ def main():
     totals = time_custom_ops() if args.op_host_time else None
 
     model_type, kw = SHAPES[args.shape]
-    for impl in args.impls.split(","):
+    # Liger's patch changes HF's modeling classes for the rest of the process: its runs go last
+    # (a tigon run after it would find LigerSwiGLUMLP, not the model's MLP).
+    impls = sorted(args.impls.split(","), key=lambda impl: impl.startswith("liger"))
+    for impl in impls:
         step = training_step(impl, model_type, kw, args.batch, args.seq)[1]
 
         for _ in range(3):
@@ -120,11 +123,13 @@ def main():
                 syncs[str(w.message)[:60] + " @ " + f"{w.filename.split('/')[-1]}:{w.lineno}"] += 1
         print(f"{impl}: {sum(syncs.values())} host syncs in one step: {dict(syncs)}", flush=True)
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         for _ in range(5):
             step()
         torch.cuda.synchronize()
-        print(f"{impl}: unprofiled wall {(time.perf_counter() - start) / 5 * 1e3:.1f} ms/step", flush=True)
+        print(f"{impl}: unprofiled wall {(time.perf_counter() - start) / 5 * 1e3:.1f} ms/step, "
+              f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
         if totals is not None and impl.startswith("tigon"):
             print_op_host_time(impl, step, totals)
         if args.cprofile:
