@@ -10,7 +10,8 @@ programs an SM (fewer rows in flight, so a row may still be in L2 for its second
 import torch
 from triton.testing import do_bench
 
-from tigon.ops.cross_entropy import CrossEntropyOptions, cross_entropy_kernel, cross_entropy_norms
+from tigon.ops._cross_entropy_common import CrossEntropyOptions, cross_entropy_norms
+from tigon.ops.cross_entropy import cross_entropy_kernel
 
 
 def main():

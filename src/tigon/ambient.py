@@ -58,7 +58,7 @@ def _set_for_block(local, attribute: str, value):
 PLANNING = ThreadFlag()
 # Label checks queue instead of waiting for the GPU (deferred_label_checks, below).
 DEFERRED_LABEL_CHECKS = ThreadFlag()
-# The labels were checked once for the block (tigon.ops.cross_entropy.labels_checked): the
+# The labels were checked once for the block (tigon.ops._cross_entropy_common.labels_checked): the
 # linear_token_logps calls inside skip their own checks.
 LABELS_CHECKED = ThreadFlag()
 # While torch.compile traces a training call of a model whose decoder layers HF checkpoints

@@ -14,7 +14,8 @@ from tigon.ops import (
     rms_norm_op,
 )
 from tigon.ops._common import check_tensor_args, is_dtensor
-from tigon.ops.cross_entropy import CrossEntropyOverLogits, checked_cross_entropy_options, rows_alias
+from tigon.ops._cross_entropy_common import checked_cross_entropy_options, rows_alias
+from tigon.ops.cross_entropy import CrossEntropyOverLogits
 from tigon.ops.dyt import dyt_op
 from tigon.ops.embedding import check_padding_idx, tied_grad_slot
 from tigon.ops.fused_linear_cross_entropy import checked_flce_options

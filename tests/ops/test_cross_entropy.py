@@ -488,7 +488,7 @@ def check_compiled(fn, inputs, *args, shapes=None):
 
 def option_args(**options):
     """CrossEntropyOptions as the ops take them (positional, schema order)."""
-    from tigon.ops.cross_entropy import CrossEntropyOptions
+    from tigon.ops._cross_entropy_common import CrossEntropyOptions
 
     return tuple(CrossEntropyOptions(**options))
 

@@ -39,8 +39,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tigon.ops._common import chunk_budget_bytes, interpreter_enabled, traced
+from tigon.ops._gradient_scaling import scale_rows
 from tigon.ops._internals import graph_retained
-from tigon.ops.cross_entropy import scale_rows
 from tigon.ops.fused_linear_cross_entropy import chunk_rows_for_budget
 from tigon.ops.linear_token_logps import accumulate_head_grads
 

@@ -44,7 +44,7 @@ from tigon.losses.base import (
     token_logps,
 )
 from tigon.ops._common import matmul_dtype, traced
-from tigon.ops.cross_entropy import labels_checked
+from tigon.ops._cross_entropy_common import labels_checked
 
 GRPO_LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo", "cispo", "sapo", "gspo")
 CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")

@@ -23,7 +23,7 @@ from tigon.losses.base import (
     run_chunked,
     token_logps,
 )
-from tigon.ops.cross_entropy import labels_checked
+from tigon.ops._cross_entropy_common import labels_checked
 
 DPO_TYPES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "aot", "aot_pair",
              "aot_unpaired", "apo_zero", "apo_down", "discopop")

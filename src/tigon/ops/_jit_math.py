@@ -27,3 +27,28 @@ def tanh_and_sech2(u):
     t = tl.where(is_small, small, tl.where(u < 0, -big, big))
     sech2 = tl.where(is_small, 1.0 - small * small, sech2_big)
     return t, sech2
+
+
+@triton.jit
+def soft_cap(x, cap):
+    """cap * tanh(x / cap), and its derivative 1 - tanh(x / cap)^2."""
+    t, sech2 = tanh_and_sech2(x / cap)
+    return cap * t, sech2
+
+
+@triton.jit
+def safe_max(m):
+    """m, or 0 where m is -inf: what an online log-sum-exp subtracts before exp. While every logit
+    seen is -inf (a masked vocabulary) exp(x - m) would be exp(-inf + inf) = NaN; against 0 the
+    sum stays 0 and exp(m - 0) rescales it by 0. One scalar select a block (H100: no measurable
+    cost)."""
+    return tl.where(m > -float("inf"), m, 0.0)
+
+
+@triton.jit
+def online_lse_update(m, s, x, block_max):
+    """One block x (block_max = its maximum) into a row's running maximum m and s = sum exp(z - m):
+    -> (new m, new s). Rows (or leading blocks) of only -inf stay (-inf, 0), never NaN."""
+    new_m = tl.maximum(m, block_max)
+    shift = safe_max(new_m)
+    return new_m, s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)

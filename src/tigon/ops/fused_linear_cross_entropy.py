@@ -41,20 +41,19 @@ from tigon.ops._common import (
     new_output,
     or_empty,
 )
-from tigon.ops.cross_entropy import (
+from tigon.ops._cross_entropy_common import (
     N_OPTIONS,
     CrossEntropyOptions,
     check_option_values,
     check_target_and_class_weight,
     checked_norms,
     cross_entropy_norms,
-    cross_entropy_rows,
     fake_op_loss_outputs,
     kernel_target_and_options,
     op_loss_outputs,
-    scale_rows,
-    scaled_gradient,
 )
+from tigon.ops._gradient_scaling import scale_rows, scaled_gradient
+from tigon.ops.cross_entropy import cross_entropy_rows
 from tigon.ops.embedding import current_tied_slot
 
 

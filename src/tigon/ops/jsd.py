@@ -56,8 +56,9 @@ from tigon.ops._common import (
     or_empty,
     traced,
 )
+from tigon.ops._gradient_scaling import scale_rows
 from tigon.ops._internals import graph_retained, launch
-from tigon.ops.cross_entropy import safe_max, scale_rows
+from tigon.ops._jit_math import safe_max
 from tigon.ops.linear_token_logps import (
     check_linear_head,
     fake_logit_grad,

@@ -9,7 +9,7 @@ exp(t) (t - x + 1).
 A reduction forms the gradients in the forward pass, in the same pass that sums the loss: one
 read of x and t, one write of each gradient asked for ([..., V] in its input's dtype, divided by
 the reduction's denominator), kept for the backward, which scales them by grad_output
-(``cross_entropy.scaled_gradient``: in place when autograd frees the graph after that backward,
+(``_gradient_scaling.scaled_gradient``: in place when autograd frees the graph after that backward,
 a new tensor when it is retained or traced). "none" writes the pointwise loss (the promoted
 dtype of x and t, as torch) and its backward reads dy, t (and x for t's gradient) once.
 The loss of a reduction is fp32.
@@ -35,8 +35,8 @@ from tigon.ops._common import (
     next_pow2,
     or_empty,
 )
+from tigon.ops._gradient_scaling import scaled_gradient
 from tigon.ops._internals import launch
-from tigon.ops.cross_entropy import scaled_gradient
 
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
 REDUCED, POINTWISE, POINTWISE_BACKWARD = 0, 1, 2

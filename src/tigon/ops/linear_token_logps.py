@@ -31,12 +31,8 @@ from torch import Tensor
 
 from tigon import ambient
 from tigon.ops._common import accumulate_mm, check_same_device, check_tensor, custom_op, new_output
-from tigon.ops.cross_entropy import (
-    CrossEntropyOptions,
-    check_cross_entropy_options,
-    cross_entropy_norms,
-    cross_entropy_rows,
-)
+from tigon.ops._cross_entropy_common import CrossEntropyOptions, check_cross_entropy_options, cross_entropy_norms
+from tigon.ops.cross_entropy import cross_entropy_rows
 
 
 def check_ignore_index(ignore_index) -> None:

@@ -26,7 +26,7 @@ from tigon.ops._common import (
     row_block_config,
 )
 from tigon.ops._internals import launch
-from tigon.ops.cross_entropy import online_lse_update, safe_max
+from tigon.ops._jit_math import online_lse_update, safe_max
 
 # Widest row held in registers (one program of 32 warps a row at 32768, as Liger's single-block
 # kernel); wider rows are looped in WIDE_BLOCK chunks. Not yet tuned on the GPU.

@@ -8,7 +8,7 @@ d/dq = -d/dp.
 
 As ``kl_div``: a reduction forms the gradients in its one pass over p and q, divided by its
 denominator (counted on the device: no host sync), and the backward scales them by grad_output
-(``cross_entropy.scaled_gradient``); "none" has a backward kernel reading dy, p and q once.
+(``_gradient_scaling.scaled_gradient``); "none" has a backward kernel reading dy, p and q once.
 The loss of a reduction is fp32.
 """
 

@@ -35,7 +35,6 @@ import triton.language as tl
 from torch import Tensor
 
 from tigon import ambient
-from tigon.ops import cross_entropy as ce
 from tigon.ops._common import (
     capturing,
     check_same_device,
@@ -48,22 +47,20 @@ from tigon.ops._common import (
     or_empty,
     traced,
 )
-from tigon.ops._internals import launch
-from tigon.ops.cross_entropy import (
+from tigon.ops._cross_entropy_common import (
     CrossEntropyOptions,
     check_option_values,
     check_target_and_class_weight,
     cross_entropy_norms,
-    finish_gradient,
     loss_scale,
-    online_lse_update,
     reduce_loss_rows,
     rows_alias,
-    safe_max,
-    scaled_gradient,
-    soft_cap,
-    store_ignored_row,
+    writable_rows,
 )
+from tigon.ops._gradient_scaling import scaled_gradient
+from tigon.ops._internals import launch
+from tigon.ops._jit_math import online_lse_update, safe_max, soft_cap
+from tigon.ops.cross_entropy import finish_gradient, store_ignored_row
 
 # Stats columns a row: the shard's max, sum exp(z - max), target logit, hit (1.0 when the target
 # is in the shard), sum (z - max) (label smoothing; else 0). Row N: the shard's width, then zeros.
@@ -422,7 +419,7 @@ def _(logits, target, stats, world_size, vocab_start, ignore_index, reduction, l
 
 def _check_writable(logits, target, stats, world_size):
     _check_loss_args(logits, target, stats, world_size)
-    if not ce.writable_rows(logits):
+    if not writable_rows(logits):
         raise ValueError(f"vocab_parallel_cross_entropy_ writes the gradient over logits: they need unit last stride "
                          f"and rows not sharing memory, got strides {logits.stride()} for shape {tuple(logits.shape)}")
 

@@ -46,15 +46,15 @@ from typing import NamedTuple
 import torch
 
 from tigon.ops._common import as_rows, autocast_off, cdiv, is_dtensor
-from tigon.ops.cross_entropy import (
+from tigon.ops._cross_entropy_common import (
     CrossEntropyOptions,
     check_option_values,
     check_target_and_class_weight,
     cross_entropy_norms,
     loss_scale,
     reduce_loss_rows,
-    scaled_gradient,
 )
+from tigon.ops._gradient_scaling import scaled_gradient
 from tigon.ops.fused_linear_cross_entropy import (
     check_flce_args,
     chunk_rows_for_budget,
