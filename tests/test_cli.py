@@ -11,7 +11,7 @@ import torch
 from tests.helpers import DEVICE
 from tigon.bench.ops import OP_NAMES
 from tigon.cli import build_parser, env_report, main
-from tigon.planning import planner
+from tigon.planning import model_config as planner
 
 
 def test_env_reports_versions_and_how_kernels_run():

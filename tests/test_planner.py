@@ -1,6 +1,7 @@
-"""The memory planner (tigon.planning: planner, memory_trace) and tigon.patch(checkpointing=...):
-the meta-device trace's arithmetic, the trace against a real step's allocations (CPU, tigon's
-kernels in the interpreter), the recommendation, the checkpointing policy, ``tigon plan``."""
+"""The memory planner (tigon.planning: prediction, memory_trace, planner) and
+tigon.patch(checkpointing=...): the meta-device trace's arithmetic, the trace against a real
+step's allocations (CPU, tigon's kernels in the interpreter), the recommendation, the
+checkpointing policy, ``tigon plan``."""
 
 import json
 

@@ -66,7 +66,7 @@ LABELS_CHECKED = ThreadFlag()
 # without the hooks that tell an eager call so (tigon.ops.glu_mlp.gated_mlp).
 CHECKPOINTED_LAYERS = ThreadFlag()
 # A patched attention module's forward is running: a module-wide RoPE dispatcher runs tigon's
-# RoPE (tigon.patching.forwards.make_rope_dispatcher), HF's otherwise.
+# RoPE (tigon.patching.rope.make_rope_dispatcher), HF's otherwise.
 ROPE_SCOPE = ThreadFlag()
 # A patched causal-LM forward runs on positions HF generates itself (nothing packed): HF's
 # packed-sequence check answers without reading the GPU.

@@ -10,7 +10,7 @@ from torch import nn
 
 from tigon import patching
 from tigon.patching import PatchOptions, PatchReport, kernels_only
-from tigon.patching.patcher import patch_options
+from tigon.patching.options import patch_options
 from tigon.planning.checkpointing import install_checkpointing
 
 

@@ -139,7 +139,7 @@ def _output_file(text: str) -> str:
 
 def _model_config(name: str, argument: str):
     """The causal LM config ``name`` gives (tigon.planning.load_config); BadArgument otherwise."""
-    from tigon.planning.planner import ConfigError, check_causal_lm, load_config
+    from tigon.planning.model_config import ConfigError, check_causal_lm, load_config
 
     try:
         config = load_config(name)

@@ -26,7 +26,7 @@ from tigon import ambient
 from tigon import functional as TF
 from tigon.ambient import deferred_label_checks, thread_flag
 from tigon.ops.glu_mlp import gated_mlp
-from tigon.patching.forwards import identify_activation
+from tigon.patching.mlp import identify_activation
 
 # Instance attributes ``patch`` sets (functions marked ``_tigon``), removed by ``unpatch``.
 _PATCHED_ATTRS = ("forward", "unembed")

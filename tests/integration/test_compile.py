@@ -254,7 +254,7 @@ def test_compiled_training_neither_breaks_nor_recompiles_however_applied(way, ch
 
     if checkpointing not in _HF_GRAPHS:  # HF's own model, once per checkpointing setting
         _HF_GRAPHS[checkpointing] = graphs_and_breaks(built_the_way("none", checkpointing=checkpointing))
-    tigon.patching.forwards._ACTIVATION_OF.clear()  # the activation found anew, as in a fresh process
+    tigon.patching.mlp._ACTIVATION_OF.clear()  # the activation found anew, as in a fresh process
     assert graphs_and_breaks(built_the_way(way, checkpointing=checkpointing)) == _HF_GRAPHS[checkpointing]
 
 
@@ -269,7 +269,7 @@ def test_trainer_with_torch_compile_does_not_recompile(way, tmp_path, monkeypatc
         def on_step_end(self, args, state, control, **kwargs):
             monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
 
-    tigon.patching.forwards._ACTIVATION_OF.clear()
+    tigon.patching.mlp._ACTIVATION_OF.clear()
     model = built_the_way(way)
     gen = torch.Generator().manual_seed(0)
     rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, SIZE["vocab_size"], (8, 8), generator=gen)]

@@ -13,7 +13,7 @@ import torch
 import tigon
 from tests.helpers import DEVICE
 from tests.integration.test_patching import batch, rel, tiny_model
-from tigon.patching import FAMILIES, PatchOptions, forwards
+from tigon.patching import FAMILIES, PatchOptions, rope
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,8 +29,8 @@ def _unpatched_after():
 def rope_calls(monkeypatch):
     """Calls of tigon's RoPE, through the module-level dispatcher."""
     calls = []
-    ours = forwards.tigon_apply_rotary_pos_emb
-    monkeypatch.setattr(forwards, "tigon_apply_rotary_pos_emb", lambda *a, **k: calls.append(1) or ours(*a, **k))
+    ours = rope.tigon_apply_rotary_pos_emb
+    monkeypatch.setattr(rope, "tigon_apply_rotary_pos_emb", lambda *a, **k: calls.append(1) or ours(*a, **k))
     return calls
 
 

@@ -13,7 +13,7 @@ import tigon
 from tests.helpers import DEVICE, DTYPES, check_op, randn
 from tests.integration.test_patch_scope import tigon_entries
 from tests.integration.test_patching import assert_same_training, batch, rel, tiny_model
-from tigon.patching import FAMILIES, Family, TigonPatchError, apply_family, forwards
+from tigon.patching import FAMILIES, Family, TigonPatchError, apply_family, norms, rope
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,7 +48,7 @@ def test_half_angles_form_matches_gpt_oss(dtype):
 
     cos, sin = angles(8)
     q, k = heads(dtype, H, 8), heads(dtype, 1, 8)
-    check_op(forwards.tigon_apply_rotary_pos_emb_half_angles, apply_rotary_pos_emb,
+    check_op(rope.tigon_apply_rotary_pos_emb_half_angles, apply_rotary_pos_emb,
              [q, k, cos.to(dtype), sin.to(dtype)], dtype=dtype, what="rope half_angles")
 
 
@@ -61,7 +61,7 @@ def test_pairs_to_halves_form_matches_deepseek_v3_interleave(dtype):
     cos, sin = angles(8)
     cos, sin = torch.cat((cos, cos), -1).to(dtype), torch.cat((sin, sin), -1).to(dtype)
     q, k = heads(dtype, H, 8, extra=6), heads(dtype, 1, 8, extra=6)
-    check_op(forwards.tigon_apply_rotary_pos_emb_pairs_to_halves, apply_rotary_pos_emb_interleave,
+    check_op(rope.tigon_apply_rotary_pos_emb_pairs_to_halves, apply_rotary_pos_emb_interleave,
              [q, k, cos, sin], dtype=dtype, what="rope pairs_to_halves")
 
 
@@ -73,19 +73,19 @@ def test_complex_form_matches_deepseek_v2(dtype):
     freqs_cis = torch.polar(torch.full_like(cos, 1.25), torch.atan2(sin, cos))  # with attention scaling
     q, k = heads(dtype, H, 8, extra=6), heads(dtype, 1, 8, extra=6)
     # HF rotates in fp32 from the float64 copies too: a float32-exact reference.
-    check_op(forwards.tigon_apply_rotary_emb_complex, apply_rotary_emb, [q, k, freqs_cis], dtype=dtype,
+    check_op(rope.tigon_apply_rotary_emb_complex, apply_rotary_emb, [q, k, freqs_cis], dtype=dtype,
              what="rope complex", noise_floor=1e-5 if dtype == torch.float32 else None)
 
 
 def test_unknown_rope_form_is_a_clear_error():
     with pytest.raises(ValueError, match=r"unknown RoPE form 'spiral'; the forms are \['half'"):
-        forwards.rope_drop_in("spiral")
+        rope.rope_drop_in("spiral")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_layer_norm_1p_forward_matches_nemotron(dtype):
     n = 37
-    forward = forwards.make_layer_norm_forward(1.0)
+    forward = norms.make_layer_norm_forward(1.0)
 
     def ours(x, weight, bias):
         return forward(types.SimpleNamespace(weight=weight, bias=bias, eps=1e-5), x)
@@ -109,15 +109,15 @@ def test_layer_norm_1p_under_autocast_casts_as_hf():
     x = torch.randn(8, 64, device=DEVICE)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         expected = hf(x)
-        ours = forwards.make_layer_norm_forward(1.0)(hf, x)
+        ours = norms.make_layer_norm_forward(1.0)(hf, x)
     assert ours.dtype == expected.dtype == torch.bfloat16
     assert rel(ours, expected) < 1e-2
 
 
 def rope_spy(monkeypatch):
     calls = []
-    ours = forwards._rope
-    monkeypatch.setattr(forwards, "_rope", lambda *a, **k: calls.append(1) or ours(*a, **k))
+    ours = rope._rope
+    monkeypatch.setattr(rope, "_rope", lambda *a, **k: calls.append(1) or ours(*a, **k))
     return calls
 
 
@@ -143,8 +143,8 @@ def test_class_patch_replaces_every_rope_function_of_the_row():
     originals = m.apply_rotary_pos_emb, m.apply_rotary_pos_emb_interleave
     report = tigon.patch_deepseek_v3(rms_norm=False, swiglu=False, fused_linear_cross_entropy=False)
     assert report.pieces() == {"rope"}
-    assert m.apply_rotary_pos_emb is forwards.tigon_apply_rotary_pos_emb
-    assert m.apply_rotary_pos_emb_interleave is forwards.tigon_apply_rotary_pos_emb_pairs_to_halves
+    assert m.apply_rotary_pos_emb is rope.tigon_apply_rotary_pos_emb
+    assert m.apply_rotary_pos_emb_interleave is rope.tigon_apply_rotary_pos_emb_pairs_to_halves
     tigon.unpatch()
     assert (m.apply_rotary_pos_emb, m.apply_rotary_pos_emb_interleave) == originals
 
@@ -232,7 +232,7 @@ def test_single_form_matches_gemma4(dtype, unsqueeze_dim):
         return apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
     def ours(x, cos, sin):
-        return forwards.tigon_apply_rotary_pos_emb_single(x, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        return rope.tigon_apply_rotary_pos_emb_single(x, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
     check_op(ours, hf, [x, cos, sin], dtype=dtype, what="rope single")
 
@@ -251,7 +251,7 @@ def test_single_form_under_gemma4_vision_multidimensional_rope(monkeypatch):
 
     def ours(x, cos, sin):
         with monkeypatch.context() as m:
-            m.setattr(modeling, "apply_rotary_pos_emb", forwards.tigon_apply_rotary_pos_emb_single)
+            m.setattr(modeling, "apply_rotary_pos_emb", rope.tigon_apply_rotary_pos_emb_single)
             return modeling.apply_multidimensional_rope(x, cos, sin, positions)
 
     check_op(ours, hf, [x, cos, sin], dtype=torch.float32, what="rope single (2-D)")

@@ -13,7 +13,7 @@ import torch
 import tigon
 from tests.helpers import DEVICE, check_op, randn, recording_backend
 from tests.integration.test_patch_scope import _unpatched_after  # noqa: F401 (autouse: unpatch around each test)
-from tigon.patching import FAMILIES, apply_family, forwards
+from tigon.patching import FAMILIES, apply_family, mlp
 
 transformers = pytest.importorskip("transformers")
 from transformers.integrations import moe as hf_moe  # noqa: E402
@@ -27,8 +27,8 @@ TOKENS, HIDDEN, INTER, EXPERTS, TOP_K = 7, 24, 20, 3, 2
 def op_calls(monkeypatch):
     """The calls of tigon's fused experts op made by the patched forwards."""
     calls = []
-    op = forwards._moe_experts
-    monkeypatch.setattr(forwards, "_moe_experts", lambda *a, **k: calls.append(k) or op(*a, **k))
+    op = mlp._moe_experts
+    monkeypatch.setattr(mlp, "_moe_experts", lambda *a, **k: calls.append(k) or op(*a, **k))
     return calls
 
 
@@ -83,7 +83,7 @@ def test_experts_run_the_fused_op_whatever_the_implementation(implementation, op
     patched = copy.deepcopy(hf)
     patched.config._experts_implementation = implementation
     report = tigon.patch_mixtral(patched)
-    assert f"MixtralExperts: {forwards.MOE_EXPERTS}" in str(report), str(report)
+    assert f"MixtralExperts: {mlp.MOE_EXPERTS}" in str(report), str(report)
     assert patched.forward._tigon == "MoE experts (tigon fused grouped GEMM)"
     compare(patched, hf, *routed_inputs())
     assert len(op_calls) == 1 and op_calls[0]["activation"] == "silu" and op_calls[0]["layout"] == "gate_up"
@@ -116,7 +116,7 @@ def test_compiled_experts_trace_the_fused_op():
 
 def test_class_patch_runs_the_fused_op_then_unpatches(op_calls):
     report = tigon.patch_mixtral(fused_linear_cross_entropy=False, rope=False, rms_norm=False)
-    assert modeling_mixtral.MixtralExperts.forward._tigon == forwards.MOE_EXPERTS, str(report)
+    assert modeling_mixtral.MixtralExperts.forward._tigon == mlp.MOE_EXPERTS, str(report)
     module = experts_module()
     x, idx, w = routed_inputs()
     with torch.no_grad():
@@ -239,8 +239,8 @@ def test_a_gate_of_its_own_needs_the_row_to_name_it():
     report = apply_family(row, model=module)
     assert any("a gate of its own" in note for piece, note in report.skipped if piece == "swiglu"), str(report)
     assert "forward" not in vars(module) and "_apply_gate" not in vars(module)
-    assert forwards.hf_default_gate(modeling_mixtral.MixtralExperts)
-    assert not forwards.hf_default_gate(modeling_gpt_oss.GptOssExperts)
+    assert mlp.hf_default_gate(modeling_mixtral.MixtralExperts)
+    assert not mlp.hf_default_gate(modeling_gpt_oss.GptOssExperts)
 
 
 def rel(a, b):

@@ -1,20 +1,11 @@
 """Patch Hugging Face transformers models with tigon's kernels (see ``families.FAMILIES``). Activation
 checkpointing is not this package's: ``tigon.patch`` (tigon.api) adds it from tigon.planning."""
 
+from tigon.patching.errors import TigonPatchError
 from tigon.patching.families import BY_MODEL_TYPE, FAMILIES, Family
-from tigon.patching.forwards import TigonPatchError
-from tigon.patching.patcher import (
-    PATCH_OPTION_NAMES,
-    PatchOptions,
-    PatchReport,
-    apply_family,
-    family_patcher,
-    kernels_only,
-    patch,
-    patched,
-    set_instance_attribute,
-    unpatch,
-)
+from tigon.patching.install import set_instance_attribute, unpatch
+from tigon.patching.options import PATCH_OPTION_NAMES, PatchOptions, PatchReport, kernels_only
+from tigon.patching.patcher import apply_family, family_patcher, patch, patched
 
 # One patch_<family> per row of FAMILIES (tests/integration/test_patching.py checks they match).
 patch_llama = family_patcher("llama")

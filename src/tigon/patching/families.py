@@ -1,7 +1,7 @@
 """The table of Hugging Face model families the patcher knows: one row per family.
 
-A row names the HF pieces tigon replaces; the mechanisms that replace them live in
-``tigon.patching.forwards`` and are shared by every row.
+A row names the HF pieces tigon replaces; the mechanisms that replace them live in the
+package's other modules (norms, mlp, rope, causal_lm, ...) and are shared by every row.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class Family:
     layer_norms: tuple[str, ...] = ()
     layer_norm_offset: float = 0.0
     rope: str | None = "apply_rotary_pos_emb"  # module-level function the attention calls (None: no RoPE patch)
-    # Its form, a key of tigon.patching.forwards.ROPE_FORMS: "half" (HF's rotate_half, cos [.., R]),
+    # Its form, a key of tigon.patching.rope.ROPE_FORMS: "half" (HF's rotate_half, cos [.., R]),
     # "half_angles" (rotate_half, cos [.., R/2]: GPT-OSS), "pairs_to_halves" (adjacent pairs in,
     # halves out: DeepSeek-V3's rope_interleave), "complex" ((xq, xk, freqs_cis): DeepSeek-V2), ...
     rope_form: str = "half"

@@ -23,7 +23,8 @@ from torch import nn
 
 from tigon.hf_model import checkpointed_indices, decoder_layers, set_checkpointing
 from tigon.patching import PatchOptions, PatchReport, set_instance_attribute
-from tigon.planning.planner import checkpoint_count, default_gpu_memory, recommend, usable_bytes
+from tigon.planning.planner import default_gpu_memory, recommend, usable_bytes
+from tigon.planning.prediction import checkpoint_count
 from tigon.sizes import GiB, parse_bytes
 
 log = logging.getLogger("tigon")

@@ -8,7 +8,7 @@ On meta, SDPA would take its math path and keep the [B, heads, T, T] attention m
 step runs with ``planning_attention`` instead, which allocates what the GPU's fused kernels keep
 (q, k, v, the output and the log-sum-exp; an additive mask where one is given) and their
 backward's fp32 accumulator. tigon's ops take meta tensors (their registered fake
-implementations give the output shapes); ``tigon.planning.planner`` adds their internal workspaces.
+implementations give the output shapes); ``tigon.planning.prediction`` adds their internal workspaces.
 """
 
 from __future__ import annotations
