@@ -9,7 +9,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Lowest first. A module may import its own layer and the layers below; a name matches its
 # package and everything under it (the longest listed prefix decides).
 LAYERS = (
-    ("tigon.ambient", "tigon.sizes", "tigon.shapes"),
+    ("tigon.ambient", "tigon.sizes", "tigon.shapes", "tigon.reference"),
     ("tigon.ops",),
     ("tigon.functional", "tigon.nn"),
     ("tigon.losses",),

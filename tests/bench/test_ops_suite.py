@@ -1,9 +1,11 @@
-"""The op suite's list of op names (tigon.bench.ops.OP_NAMES): the one list that `tigon bench`,
-``python -m tigon.bench.ops --ops`` and ``run`` check names against. CPU: nothing is measured."""
+"""The op suite's list of op names (tigon.bench.cases.OP_NAMES, as tigon.bench.ops gives it): the
+one list that `tigon bench`, ``python -m tigon.bench.ops --ops`` and ``run`` check names against.
+CPU: nothing is measured."""
 
 import pytest
 
 from tigon.bench import ops as suite
+from tigon.bench.cases import Case
 
 
 def test_unknown_op_error_lists_the_unknown_names_and_every_valid_one():
@@ -29,5 +31,5 @@ def test_run_rejects_an_unknown_op_before_measuring(tmp_path):
 
 def test_a_case_must_name_a_listed_op():
     with pytest.raises(ValueError, match="not in OP_NAMES"):
-        suite.Case("rmsnorm", "8x8", lambda: [], {})
-    assert suite.Case("rms_norm", "8x8", lambda: [], {}).op == "rms_norm"
+        Case("rmsnorm", "8x8", lambda: [], {})
+    assert Case("rms_norm", "8x8", lambda: [], {}).op == "rms_norm"

@@ -14,6 +14,7 @@ from tigon.losses import (
     orpo_loss,
     simpo_loss,
 )
+from tigon.reference import chosen_nll_ref, dpo_pair_losses_ref, dpo_ref, kto_ref, sequence_logps_ref
 
 # (pairs, tokens, hidden, vocab): 3 pairs -> uneven chunks at chunk_pairs=2
 SHAPE = pick(cpu=(3, 7, 16, 37), gpu=(4, 256, 512, 32000))
@@ -27,33 +28,6 @@ def make(pairs, tokens, hidden, vocab, bias=False, dtype=torch.float32):
     target[:, : tokens // 3] = -100  # prompt
     target[1, -2:] = -100  # padding on one sequence
     return x, w, b, target
-
-
-def ref_logps(x, w, b, target, average, ignore_index=-100):
-    logits = x @ w.t() + (b if b is not None else 0)
-    mask = target != ignore_index
-    lp = torch.gather(logits.log_softmax(-1), -1, torch.where(mask, target, 0).unsqueeze(-1)).squeeze(-1) * mask
-    out = lp.sum(-1)
-    return out / mask.sum(-1) if average else out, lp, mask
-
-
-def ref_nll(x, w, b, target):
-    n = x.shape[0] // 2
-    _, lp, mask = ref_logps(x[:n], w, b, target[:n], False)
-    return -lp.sum() / mask.sum()
-
-
-def ref_dpo(x, w, b, target, ref_c, ref_r, beta, loss_type, ls, average, nll):
-    logps, _, _ = ref_logps(x, w, b, target, average)
-    n = x.shape[0] // 2
-    margin = (logps[:n] - ref_c) - (logps[n:] - ref_r)
-    if loss_type == "sigmoid":
-        losses = -F.logsigmoid(beta * margin) * (1 - ls) - F.logsigmoid(-beta * margin) * ls
-    elif loss_type == "ipo":
-        losses = (margin - 1 / (2 * beta)) ** 2
-    else:
-        losses = torch.relu(1 - beta * margin)
-    return losses.mean() + (ref_nll(x, w, b, target) if nll else 0)
 
 
 def run(fn, ref, x, w, b, what):
@@ -77,7 +51,7 @@ def test_dpo_matches_reference(loss_type, reference, chunk_pairs):
         ref_x, ref_w = randn(tuple(x.shape), torch.float32), randn(tuple(w.shape), torch.float32, scale=0.3)
         kw = dict(ref_x=ref_x, ref_weight=ref_w)
         with torch.no_grad():
-            lp, _, _ = ref_logps(ref_x.double(), ref_w.double(), None, target, average)
+            lp, _, _ = sequence_logps_ref(ref_x.double(), ref_w.double(), target, average=average)
         ref_c, ref_r = lp[:pairs], lp[pairs:]
     else:
         ref_c = ref_r = 0.0
@@ -90,41 +64,9 @@ def test_dpo_matches_reference(loss_type, reference, chunk_pairs):
 
     run(lambda x, w, b: dpo_loss(x, w, target, b, beta=beta, loss_type=loss_type, label_smoothing=ls,
                                  chunk_pairs=chunk_pairs, **kw),
-        lambda x, w, b: ref_dpo(x, w, b, target, rc(x), rr(x), beta, loss_type, ls, average, False),
+        lambda x, w, b: dpo_ref(x, w, target, rc(x), rr(x), b, beta=beta, loss_type=loss_type, label_smoothing=ls,
+                                average=average),
         x, w, b, f"dpo[{loss_type}, {reference}, chunks of {chunk_pairs}]")
-
-
-def trl_pair_losses(c, r, ref_c, ref_r, loss_type, beta, ls, tau):
-    """Per-pair losses of TRL 1.16's DPOTrainer._compute_loss (reverse KL), its loss types beyond
-    sigmoid / ipo / hinge ("aot_pair" as its "aot_unpaired")."""
-    cr, rr = c - ref_c, r - ref_r
-    d = cr - rr
-    if loss_type == "robust":
-        return (-(1 - ls) * F.logsigmoid(beta * d) + ls * F.logsigmoid(-beta * d)) / (1 - 2 * ls)
-    if loss_type == "exo_pair":
-        eps = torch.tensor(ls, dtype=d.dtype)
-        qw, ql = torch.sigmoid(beta * d), torch.sigmoid(-beta * d)
-        return qw * (F.logsigmoid(beta * d) - torch.log1p(-eps)) + ql * (F.logsigmoid(-beta * d) - torch.log(eps))
-    if loss_type == "nca_pair":
-        return -F.logsigmoid(beta * cr) - 0.5 * F.logsigmoid(-beta * cr) - 0.5 * F.logsigmoid(-beta * rr)
-    if loss_type == "bco_pair":
-        return -F.logsigmoid(beta * cr) - F.logsigmoid(-beta * rr)
-    if loss_type == "sppo_hard":
-        return (cr - 0.5 / beta) ** 2 + (rr + 0.5 / beta) ** 2
-    if loss_type in ("aot", "aot_pair"):
-        if loss_type == "aot":
-            delta = torch.sort(c - r, dim=0)[0] - torch.sort(ref_c - ref_r, dim=0)[0]
-        else:
-            delta = torch.sort(cr, dim=0)[0] - torch.sort(rr, dim=0)[0]
-        return -F.logsigmoid(beta * delta) * (1 - ls) - F.logsigmoid(-beta * delta) * ls
-    if loss_type == "apo_zero":
-        return 1 - torch.sigmoid(beta * cr) + torch.sigmoid(beta * rr)
-    if loss_type == "apo_down":
-        return torch.sigmoid(beta * cr) + 1 - torch.sigmoid(beta * (cr - rr))
-    assert loss_type == "discopop"
-    z = d * beta
-    mix = torch.sigmoid(z / tau)
-    return -F.logsigmoid(z) * (1 - mix) + torch.exp(-z) * mix
 
 
 @pytest.mark.parametrize("loss_type", ["robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "aot", "aot_pair",
@@ -143,13 +85,13 @@ def test_dpo_trl_loss_types(loss_type, reference, chunk_pairs):
         ref_x, ref_w = randn(tuple(x.shape), torch.float32), randn(tuple(w.shape), torch.float32, scale=0.3)
         kw = dict(ref_x=ref_x, ref_weight=ref_w)
         with torch.no_grad():
-            lp, _, _ = ref_logps(ref_x.double(), ref_w.double(), None, target, False)
+            lp, _, _ = sequence_logps_ref(ref_x.double(), ref_w.double(), target)
         ref_c, ref_r = lp[:pairs], lp[pairs:]
 
     def reference_loss(x, w, b):
-        logps, _, _ = ref_logps(x, w, b, target, False)
-        return trl_pair_losses(logps[:pairs], logps[pairs:], ref_c.to(x.dtype), ref_r.to(x.dtype), loss_type, beta,
-                               ls, tau).mean()
+        logps, _, _ = sequence_logps_ref(x, w, target, b)
+        return dpo_pair_losses_ref(logps[:pairs], logps[pairs:], ref_c.to(x.dtype), ref_r.to(x.dtype), loss_type, beta,
+                                   ls, tau).mean()
 
     run(lambda x, w, b: dpo_loss(x, w, target, b, beta=beta, loss_type=loss_type, label_smoothing=ls,
                                  discopop_tau=tau, chunk_pairs=chunk_pairs, **kw),
@@ -157,7 +99,8 @@ def test_dpo_trl_loss_types(loss_type, reference, chunk_pairs):
     loss, metrics = dpo_loss(x, w, target, b, beta=beta, loss_type=loss_type, label_smoothing=ls, discopop_tau=tau,
                              chunk_pairs=chunk_pairs, compute_nll_loss=True, **kw)
     with torch.no_grad():
-        want = reference_loss(x.double(), w.double(), b.double()) + ref_nll(x.double(), w.double(), b.double(), target)
+        x64, w64, b64 = x.double(), w.double(), b.double()
+        want = reference_loss(x64, w64, b64) + chosen_nll_ref(x64, w64, target, b64)
     assert abs(loss.item() - want.item()) < 1e-4 * max(1.0, abs(want.item())), (loss.item(), want.item())
     assert metrics["chosen_logps"].shape == (pairs,)
 
@@ -168,13 +111,13 @@ def test_dpo_with_nll_and_metrics():
     rc, rr = randn((pairs,), torch.float32) - 5, randn((pairs,), torch.float32) - 5
     run(lambda x, w, b: dpo_loss(x, w, target, b, beta=0.1, ref_chosen_logps=rc, ref_rejected_logps=rr,
                                  compute_nll_loss=True, chunk_pairs=2),
-        lambda x, w, b: ref_dpo(x, w, b, target, rc.to(x.dtype), rr.to(x.dtype), 0.1, "sigmoid", 0.0, False, True),
+        lambda x, w, b: dpo_ref(x, w, target, rc.to(x.dtype), rr.to(x.dtype), b, beta=0.1, nll=True),
         x, w, b, "dpo + nll")
     loss, m = TigonDPOLoss(beta=0.1, compute_nll_loss=True)(x, w, target, b, ref_chosen_logps=rc, ref_rejected_logps=rr)
-    logps, _, _ = ref_logps(x.double(), w.double(), b.double(), target, False)
+    logps, _, _ = sequence_logps_ref(x.double(), w.double(), target, b.double())
     assert torch.allclose(m["chosen_logps"].double(), logps[:pairs], rtol=1e-4)
     assert torch.allclose(m["rejected_rewards"].double(), 0.1 * (logps[pairs:] - rr.double()), rtol=1e-4, atol=1e-6)
-    assert torch.allclose(m["nll_loss"].double(), ref_nll(x.double(), w.double(), b.double(), target), rtol=1e-4)
+    assert torch.allclose(m["nll_loss"].double(), chosen_nll_ref(x.double(), w.double(), target, b.double()), rtol=1e-4)
     full_logits = x.double() @ w.double().t() + b.double()
     assert torch.allclose(m["chosen_logits_mean"].double(), full_logits[:pairs].mean(), rtol=1e-4, atol=1e-6)
 
@@ -184,11 +127,11 @@ def test_orpo_matches_reference():
     beta = 0.1
 
     def ref(x, w, b):
-        logps, _, _ = ref_logps(x, w, b, target, True)
+        logps, _, _ = sequence_logps_ref(x, w, target, b, True)
         n = x.shape[0] // 2
         c, r = logps[:n], logps[n:]
         log_odds = (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
-        return ref_nll(x, w, b, target) - beta * F.logsigmoid(log_odds).mean()
+        return chosen_nll_ref(x, w, target, b) - beta * F.logsigmoid(log_odds).mean()
 
     run(lambda x, w, b: orpo_loss(x, w, target, b, beta=beta, chunk_pairs=2), ref, x, w, b, "orpo")
 
@@ -199,11 +142,11 @@ def test_cpo_and_simpo_match_reference(which):
     beta, gamma, ls = (0.1, 0.0, 0.05) if which == "cpo" else (2.0, 0.5, 0.0)
 
     def ref(x, w, b):
-        logps, _, _ = ref_logps(x, w, b, target, which == "simpo")
+        logps, _, _ = sequence_logps_ref(x, w, target, b, which == "simpo")
         n = x.shape[0] // 2
         z = beta * (logps[:n] - logps[n:]) - gamma
         losses = -F.logsigmoid(z) * (1 - ls) - F.logsigmoid(-z) * ls
-        return losses.mean() + (ref_nll(x, w, b, target) if which == "cpo" else 0)
+        return losses.mean() + (chosen_nll_ref(x, w, target, b) if which == "cpo" else 0)
 
     fn = ((lambda x, w, b: cpo_loss(x, w, target, b, beta=beta, label_smoothing=ls)) if which == "cpo" else
           (lambda x, w, b: simpo_loss(x, w, target, b, beta=beta, gamma=gamma)))
@@ -245,14 +188,6 @@ def test_bad_inputs_are_clear_errors():
             kto_loss(x, w, target, torch.ones(x.shape[0], dtype=torch.bool, device=x.device), chunk_rows=bad)
 
 
-def ref_kto(x, w, b, target, labels, ref_lp, beta, wd, wu, kl):
-    logps = ref_logps(x, w, b, target, False)[0]
-    ratio = logps - (ref_lp.to(x.dtype) if ref_lp is not None else 0)
-    chosen = wd * (1 - torch.sigmoid(beta * (ratio - kl)))
-    rejected = wu * (1 - torch.sigmoid(beta * (kl - ratio)))
-    return torch.where(labels, chosen, rejected).mean()
-
-
 @pytest.mark.parametrize("reference", ["precomputed", "model", "free"])
 def test_kto_matches_reference(reference):
     pairs, tokens, hidden, vocab = SHAPE
@@ -268,13 +203,13 @@ def test_kto_matches_reference(reference):
         ref_x, ref_w = randn(tuple(x.shape), torch.float32), randn(tuple(w.shape), torch.float32, scale=0.3)
         kw = dict(ref_x=ref_x, ref_weight=ref_w)
         with torch.no_grad():
-            ref_lp = ref_logps(ref_x.double(), ref_w.double(), None, target, False)[0]
+            ref_lp = sequence_logps_ref(ref_x.double(), ref_w.double(), target)[0]
     else:
         ref_lp = None
 
     run(lambda x, w, b: kto_loss(x, w, target, labels, b, beta=beta, desirable_weight=wd, undesirable_weight=wu,
                                  kl=kl, chunk_rows=4, **kw),
-        lambda x, w, b: ref_kto(x, w, b, target, labels, ref_lp, beta, wd, wu, kl), x, w, b, f"kto[{reference}]")
+        lambda x, w, b: kto_ref(x, w, target, labels, b, ref_lp, beta, wd, wu, kl), x, w, b, f"kto[{reference}]")
     with pytest.raises(ValueError, match="preference_labels"):
         kto_loss(x, w, target, labels.float())
 
@@ -307,8 +242,7 @@ def test_dpo_bf16_and_non_contiguous_hidden_states():
     # The loss is fp32 whatever the inputs (as tigon's other losses); cast to compare with eager bf16.
     check_op(lambda base, w: dpo_loss(base[:, :-1], w, target, ref_chosen_logps=rc, ref_rejected_logps=rr,
                                       chunk_pairs=2)[0].to(base.dtype),
-             lambda base, w: ref_dpo(base[:, :-1], w, None, target, rc.to(base.dtype), rr.to(base.dtype), 0.1,
-                                     "sigmoid", 0.0, False, False),
+             lambda base, w: dpo_ref(base[:, :-1], w, target, rc.to(base.dtype), rr.to(base.dtype), beta=0.1),
              [base, w], dtype=torch.bfloat16, tol=3e-2, what="dpo bf16 strided", worse_than_eager=4.0,
              noise_floor=2e-2)
 
@@ -327,7 +261,7 @@ def test_kto_kl_clamping(clamp_kl, kl):
     kw = {} if clamp_kl is None else dict(clamp_kl=clamp_kl)
     kl_arg = torch.tensor(kl, device=DEVICE) if clamp_kl is False else kl
     run(lambda x, w, b: kto_loss(x, w, target, labels, b, beta=0.5, kl=kl_arg, ref_logps=ref_lp, chunk_rows=4, **kw),
-        lambda x, w, b: ref_kto(x, w, b, target, labels, ref_lp, 0.5, 1.0, 1.0, used_kl), x, w, b,
+        lambda x, w, b: kto_ref(x, w, target, labels, b, ref_lp, 0.5, 1.0, 1.0, used_kl), x, w, b,
         f"kto[kl={kl}, clamp_kl={clamp_kl}]")
 
 
@@ -351,16 +285,16 @@ def test_orpo_nll_target(chunk_pairs):
     beta = 0.2
 
     def ref(x, w, b):
-        logps, _, _ = ref_logps(x, w, b, target, True)
+        logps, _, _ = sequence_logps_ref(x, w, target, b, True)
         c, r = logps[:pairs], logps[pairs:]
         log_odds = (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
-        _, lp, mask = ref_logps(x[:pairs], w, b, nll_target[:pairs], False)
+        _, lp, mask = sequence_logps_ref(x[:pairs], w, nll_target[:pairs], b)
         return -lp.sum() / mask.sum() - beta * F.logsigmoid(log_odds).mean()
 
     run(lambda x, w, b: orpo_loss(x, w, target, b, beta=beta, nll_target=nll_target, chunk_pairs=chunk_pairs), ref,
         x, w, b, f"orpo nll_target[chunks of {chunk_pairs}]")
     loss, metrics = TigonORPOLoss(beta=beta)(x, w, target, b, nll_target=nll_target)
-    _, lp, mask = ref_logps(x[:pairs].double(), w.double(), b.double(), nll_target[:pairs], False)
+    _, lp, mask = sequence_logps_ref(x[:pairs].double(), w.double(), nll_target[:pairs], b.double())
     assert torch.allclose(metrics["nll_loss"].double(), -lp.sum() / mask.sum(), rtol=1e-4)
     assert torch.allclose(loss.double(), ref(x.double(), w.double(), b.double()), rtol=1e-4)
     assert not torch.allclose(loss, orpo_loss(x, w, target, b, beta=beta)[0])  # nll_target changes the loss

@@ -2,7 +2,6 @@ import pytest
 import torch
 
 from tests.helpers import DEVICE, DTYPES, check_module, check_op, pick, randn, rel_err
-from tests.ops.test_fused_add_rms_norm import ref_fused_add_rms_norm
 from tigon import functional as TF
 from tigon.nn import (
     TigonFusedAddRMSNorm,
@@ -11,6 +10,7 @@ from tigon.nn import (
     TigonRMSNorm,
     TigonSwiGLUMLP,
 )
+from tigon.reference import fused_add_rms_norm_ref
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.gemma import modeling_gemma  # noqa: E402
@@ -184,10 +184,10 @@ def test_fused_add_rms_norm_module(dtype):
     with torch.no_grad():
         module.weight.data = w.detach().clone()
     y, s = module(x, r)
-    ref_y, ref_s = ref_fused_add_rms_norm(x.detach(), r.detach(), w.detach(), eps=1e-5)
+    ref_y, ref_s = fused_add_rms_norm_ref(x.detach(), r.detach(), w.detach(), eps=1e-5)
     assert torch.equal(s, ref_s)
     check_op(lambda x, r, w: TF.fused_add_rms_norm(x, r, w, eps=1e-5),
-             lambda x, r, w: ref_fused_add_rms_norm(x, r, w, eps=1e-5), [x, r, w], dtype=dtype)
+             lambda x, r, w: fused_add_rms_norm_ref(x, r, w, eps=1e-5), [x, r, w], dtype=dtype)
     assert torch.allclose(y.float(), ref_y.float(), atol=5e-2, rtol=2e-2)
 
 

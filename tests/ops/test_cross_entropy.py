@@ -5,6 +5,7 @@ from tests.helpers import DEVICE, DTYPES, TOL, check_op, pick, randn, rel_err, u
 from tigon import ambient
 from tigon import functional as TF
 from tigon.nn import TigonCrossEntropyLoss
+from tigon.reference import cross_entropy_ref
 
 # (rows, vocab): vocab not a power of two; the largest spans several BLOCK_V-wide blocks.
 SHAPES = pick(cpu=[(9, 300), (12, 10007)], gpu=[(4096, 32000), (1024, 128256), (333, 151936)])
@@ -19,24 +20,6 @@ def make_target(n, v, ignore="some", ignore_index=-100):
     return t
 
 
-def ref_cross_entropy(logits, target, ignore_index=-100, reduction="mean", label_smoothing=0.0, weight=None,
-                      lse_square_scale=0.0, softcap=None):
-    """torch's cross_entropy on (soft-capped) logits upcast, plus the z-loss; 0 when all ignored."""
-    z = up(logits)
-    if softcap:
-        z = softcap * torch.tanh(z / softcap)
-    w = None if weight is None else weight.to(z.dtype)
-    loss = torch.nn.functional.cross_entropy(z, target, weight=w, ignore_index=ignore_index, reduction=reduction,
-                                             label_smoothing=label_smoothing)
-    valid = target != ignore_index
-    if reduction == "mean" and not valid.any():
-        loss = (z * 0).sum()
-    if lse_square_scale:
-        zl = lse_square_scale * torch.logsumexp(z, -1).pow(2) * valid
-        loss = loss + {"none": zl, "sum": zl.sum(), "mean": zl.sum() / valid.sum().clamp_min(1)}[reduction]
-    return loss
-
-
 def run_case(shape, dtype, reduction="mean", ignore="some", inplace=False, **opts):
     n, v = shape
     logits = randn((n, v), dtype, scale=3.0, requires_grad=True)
@@ -45,7 +28,7 @@ def run_case(shape, dtype, reduction="mean", ignore="some", inplace=False, **opt
     # backward scales it by a grad_output != 1: up to two roundings (2 * 2^-8 in bf16) where
     # eager torch has one.
     check_op(lambda x: TF.cross_entropy(x * 1, target, reduction=reduction, inplace=inplace, **opts),
-             lambda x: ref_cross_entropy(x, target, reduction=reduction, **opts),
+             lambda x: cross_entropy_ref(x, target, reduction=reduction, **opts),
              [logits], dtype=dtype, what=f"cross_entropy[{reduction}, {ignore}, {sorted(opts)}]",
              noise_floor=2 * 2**-8 if dtype == torch.bfloat16 else None)
 
@@ -84,7 +67,7 @@ def test_cross_entropy_not_in_place_leaves_logits_alone():
     logits = randn((6, 77), torch.float32, requires_grad=True)
     before = logits.detach().clone()
     target = make_target(6, 77)
-    check_op(lambda x: TF.cross_entropy(x, target, inplace=False), lambda x: ref_cross_entropy(x, target),
+    check_op(lambda x: TF.cross_entropy(x, target, inplace=False), lambda x: cross_entropy_ref(x, target),
              [logits], dtype=torch.float32)
     x = logits.detach().clone().requires_grad_()
     TF.cross_entropy(x, target, inplace=False).backward()
@@ -100,7 +83,7 @@ def test_cross_entropy_in_place_reuses_the_logits_buffer_and_bumps_its_version()
     assert h._version > version  # other saved uses of h now fail loudly, not silently
     loss.backward()
     x64 = x.detach().double().requires_grad_()
-    ref_cross_entropy(x64, target).backward()
+    cross_entropy_ref(x64, target).backward()
     torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-7)
     assert torch.equal(h.detach(), x.grad)  # h's memory now holds the gradient
 
@@ -125,7 +108,7 @@ def test_z_loss_and_token_accuracy_outputs():
     torch.testing.assert_close(z_loss.double(), (1e-3 * lse.pow(2) * valid).sum() / valid.sum(), rtol=1e-5, atol=1e-7)
     expected_acc = ((logits.argmax(-1) == target) & valid).sum() / valid.sum()
     torch.testing.assert_close(accuracy.double(), expected_acc.double())
-    torch.testing.assert_close(loss.double(), ref_cross_entropy(logits.double(), target, lse_square_scale=1e-3),
+    torch.testing.assert_close(loss.double(), cross_entropy_ref(logits.double(), target, lse_square_scale=1e-3),
                                rtol=1e-5, atol=1e-6)
     per_row = TF.cross_entropy(logits.clone(), target, reduction="none", return_token_accuracy=True)[1]
     assert torch.equal(per_row, ((logits.argmax(-1) == target) & valid).float())
@@ -218,7 +201,7 @@ def check_masked(logits, target, reduction, **opts):
     x = logits.clone().requires_grad_()
     loss = TF.cross_entropy(x, target, reduction=reduction, **opts)
     x64 = logits.double().requires_grad_()
-    ref = ref_cross_entropy(x64, target, reduction=reduction, **opts)
+    ref = cross_entropy_ref(x64, target, reduction=reduction, **opts)
     cotangent = torch.randn(ref.shape, device=DEVICE, dtype=torch.float64)
     (grad,) = torch.autograd.grad(loss, x, cotangent.to(loss.dtype))
     (ref_grad,) = torch.autograd.grad(ref, x64, cotangent)
@@ -265,7 +248,7 @@ def test_no_grad_leaves_logits_untouched():
     with torch.no_grad():
         loss = TF.cross_entropy(logits, target)
     assert torch.equal(logits.detach(), before)
-    torch.testing.assert_close(loss.double(), ref_cross_entropy(before.double(), target), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss.double(), cross_entropy_ref(before.double(), target), rtol=1e-5, atol=1e-6)
 
 
 def test_in_place_gradient_of_a_leaf_is_adopted_not_copied():
@@ -327,7 +310,7 @@ def test_rows_sharing_memory_get_their_own_gradient(inplace):
     loss = TF.cross_entropy(base.expand(5, 37), target, inplace=inplace)
     loss.backward()
     ref_base = base.detach().double().requires_grad_()
-    ref = ref_cross_entropy(ref_base.expand(5, 37), target)
+    ref = cross_entropy_ref(ref_base.expand(5, 37), target)
     ref.backward()
     torch.testing.assert_close(loss.double(), ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(base.grad.double(), ref_base.grad, rtol=1e-5, atol=1e-7)
@@ -350,7 +333,7 @@ def test_backward_over_a_retained_graph_is_exact(inplace, reduction):
     for _ in range(3):
         loss.backward(retain_graph=True)
     w64 = w.detach().double().requires_grad_()
-    ref = losses(lambda z, t: ref_cross_entropy(h.double() @ w64, t, reduction=reduction))
+    ref = losses(lambda z, t: cross_entropy_ref(h.double() @ w64, t, reduction=reduction))
     ref.backward()
     torch.testing.assert_close(w.grad.double(), 3 * w64.grad, rtol=1e-5, atol=1e-7)
     leaf = randn((9, 40), torch.float32, requires_grad=True)
@@ -358,7 +341,7 @@ def test_backward_over_a_retained_graph_is_exact(inplace, reduction):
     loss.backward(retain_graph=True)
     loss.backward()
     leaf64 = leaf.detach().double().requires_grad_()
-    (0.5 * ref_cross_entropy(leaf64, target)).backward()
+    (0.5 * cross_entropy_ref(leaf64, target)).backward()
     torch.testing.assert_close(leaf.grad.double(), 2 * leaf64.grad, rtol=1e-5, atol=1e-7)
 
 
@@ -368,13 +351,13 @@ def test_ignore_index_may_be_any_class_or_outside_the_vocabulary(ignore_index):
     logits = randn((6, 40), torch.float32, requires_grad=True)
     target = torch.tensor([1, ignore_index, 3, ignore_index, 39, 5], device=DEVICE)
     check_op(lambda x: TF.cross_entropy(x, target, ignore_index=ignore_index),
-             lambda x: ref_cross_entropy(x, target, ignore_index=ignore_index), [logits], dtype=torch.float32)
+             lambda x: cross_entropy_ref(x, target, ignore_index=ignore_index), [logits], dtype=torch.float32)
 
 
 def test_shapes_like_torch_and_clear_errors():
     logits = randn((33,), torch.float32, requires_grad=True)  # one unbatched row, as torch allows
     target = torch.tensor(4, device=DEVICE)
-    check_op(lambda x: TF.cross_entropy(x, target), lambda x: ref_cross_entropy(x[None], target[None]),
+    check_op(lambda x: TF.cross_entropy(x, target), lambda x: cross_entropy_ref(x[None], target[None]),
              [logits], dtype=torch.float32)
     with pytest.raises(ValueError, match="logits must be a tensor"):
         TF.cross_entropy(torch.tensor(1.0, device=DEVICE), torch.tensor(0, device=DEVICE))
@@ -390,10 +373,10 @@ def test_strided_and_expanded_targets_and_class_weights():
     target = torch.randint(0, 50, (12,), device=DEVICE)[::2]
     weight = (torch.rand(100, device=DEVICE) + 0.5)[::2]
     check_op(lambda x: TF.cross_entropy(x, target, weight=weight, label_smoothing=0.1),
-             lambda x: ref_cross_entropy(x, target, weight=weight, label_smoothing=0.1), [logits],
+             lambda x: cross_entropy_ref(x, target, weight=weight, label_smoothing=0.1), [logits],
              dtype=torch.float32)
     same = torch.tensor(3, device=DEVICE).expand(6)
-    check_op(lambda x: TF.cross_entropy(x, same), lambda x: ref_cross_entropy(x, same), [logits], dtype=torch.float32)
+    check_op(lambda x: TF.cross_entropy(x, same), lambda x: cross_entropy_ref(x, same), [logits], dtype=torch.float32)
 
 
 @pytest.mark.parametrize("dtype, offset", [(torch.float32, 1e4), (torch.float16, 6e4)])
@@ -407,10 +390,10 @@ def test_large_logits_keep_their_precision(dtype, offset):
     loss = TF.cross_entropy(x, target)
     loss.backward()
     x64 = logits.double().requires_grad_()
-    ref = ref_cross_entropy(x64, target)
+    ref = cross_entropy_ref(x64, target)
     ref.backward()
     x_eager = logits.clone().requires_grad_()
-    eager = ref_cross_entropy(x_eager, target)  # computed in fp32, gradient rounded to dtype
+    eager = cross_entropy_ref(x_eager, target)  # computed in fp32, gradient rounded to dtype
     eager.backward()
     grad_err = (x.grad.double() - x64.grad).abs().max().item()
     eager_err = (x_eager.grad.double() - x64.grad).abs().max().item()
@@ -430,10 +413,10 @@ def test_softcap_keeps_the_precision_of_small_logits(scale):
     loss = TF.cross_entropy(x, target, softcap=30.0)
     loss.backward()
     x64 = logits.double().requires_grad_()
-    ref = ref_cross_entropy(x64, target, softcap=30.0)
+    ref = cross_entropy_ref(x64, target, softcap=30.0)
     ref.backward()
     x_eager = logits.clone().requires_grad_()
-    eager = ref_cross_entropy(x_eager, target, softcap=30.0)
+    eager = cross_entropy_ref(x_eager, target, softcap=30.0)
     eager.backward()
     grad_err = (x.grad.double() - x64.grad).abs().max().item()
     eager_err = (x_eager.grad.double() - x64.grad).abs().max().item()
@@ -453,7 +436,7 @@ def test_predicted_tokens_and_token_scaling():
     torch.testing.assert_close(accuracy, ((expected == target) & valid).sum() / valid.sum())
 
     def scaled_ref(x):
-        rows = ref_cross_entropy(x.reshape(n, v), target.reshape(n), reduction="none")
+        rows = cross_entropy_ref(x.reshape(n, v), target.reshape(n), reduction="none")
         p_y = torch.exp(-rows).detach()  # p(target), no gradient through it (0 where ignored)
         return (rows * p_y * valid.reshape(n)).sum() / valid.sum()
 
@@ -589,7 +572,7 @@ def test_gradient_formed_in_the_forward_is_scaled_in_place_and_adopted(reduction
     (0.5 * (loss.sum() if reduction == "none" else loss)).backward()
     assert buffers == [logits.grad.data_ptr()]
     x64 = logits.detach().double().requires_grad_()
-    ref = ref_cross_entropy(x64, target, reduction=reduction)
+    ref = cross_entropy_ref(x64, target, reduction=reduction)
     (0.5 * (ref.sum() if reduction == "none" else ref)).backward()
     torch.testing.assert_close(logits.grad.double(), x64.grad, rtol=1e-5, atol=1e-7)
 

@@ -1,11 +1,12 @@
 import pytest
 import torch
 
-from tests.helpers import DTYPES, check_module, check_op, pick, randn, up
+from tests.helpers import DTYPES, check_module, check_op, pick, randn
 from tests.ops.test_layer_norm import assert_compiles_like_eager
 from tigon import functional as TF
 from tigon.nn import TigonDyT
 from tigon.ops import dyt as dyt_ops
+from tigon.reference import dyt_ref
 
 # CPU: several row blocks (257, 40: 64-row forward tiles; 128-row backward tiles, two persistent
 # programs of one or two blocks each); several column blocks of 2048 (3, 4200: one backward
@@ -14,11 +15,6 @@ SHAPES = pick(
     cpu=[(2, 3, 33), (257, 40), (3, 4200)],
     gpu=[(4, 1024, 4096), (16384, 8192), (3001, 8189), (65536, 768)],
 )
-
-
-def ref_dyt(x, alpha, gamma, beta=None):
-    y = up(gamma) * torch.tanh(up(alpha) * up(x))
-    return (y if beta is None else y + up(beta)).to(x.dtype)
 
 
 def dyt_inputs(shape, dtype, beta=True, alpha_shape=(1,), **x_options):
@@ -33,12 +29,12 @@ def dyt_inputs(shape, dtype, beta=True, alpha_shape=(1,), **x_options):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("beta", [True, False])
 def test_dyt_matches_reference(shape, dtype, beta):
-    check_op(TF.dyt, ref_dyt, dyt_inputs(shape, dtype, beta), dtype=dtype, what=f"dyt{shape} beta={beta}")
+    check_op(TF.dyt, dyt_ref, dyt_inputs(shape, dtype, beta), dtype=dtype, what=f"dyt{shape} beta={beta}")
 
 
 @pytest.mark.parametrize("alpha_shape", [(), (1,)])
 def test_dyt_float16_strided_and_0dim_alpha(alpha_shape):
-    check_op(TF.dyt, ref_dyt, dyt_inputs((5, 3, 70), torch.float16, alpha_shape=alpha_shape, non_contiguous=True),
+    check_op(TF.dyt, dyt_ref, dyt_inputs((5, 3, 70), torch.float16, alpha_shape=alpha_shape, non_contiguous=True),
              dtype=torch.float16)
 
 
@@ -46,7 +42,7 @@ def test_dyt_bfloat16_input_with_float32_parameters():
     """Output in x's dtype, each gradient in its parameter's."""
     x = randn((6, 40), torch.bfloat16, scale=2.0, requires_grad=True)
     _, alpha, gamma, beta = dyt_inputs((6, 40), torch.float32)
-    check_op(TF.dyt, ref_dyt, [x, alpha, gamma, beta], dtype=torch.bfloat16)
+    check_op(TF.dyt, dyt_ref, [x, alpha, gamma, beta], dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("shape", [(5, 4200), (300, 40)])
@@ -54,7 +50,7 @@ def test_dyt_many_programs(monkeypatch, shape):
     """The backward's persistent grid as on a GPU: several programs a column block (their fp32
     partial sums, of every column block, summed by dyt_partials_sum_kernel)."""
     monkeypatch.setattr(dyt_ops, "persistent_programs", lambda device, n_tasks, per_sm: min(n_tasks, 9))
-    check_op(TF.dyt, ref_dyt, dyt_inputs(shape, torch.float32), dtype=torch.float32, what=f"dyt{shape}")
+    check_op(TF.dyt, dyt_ref, dyt_inputs(shape, torch.float32), dtype=torch.float32, what=f"dyt{shape}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -100,7 +96,7 @@ def test_dyt_non_finite_inputs():
     alpha = torch.full((1,), 0.5, device=x.device)
     gamma, beta = randn((6,), torch.float32, shift=1.0), randn((6,), torch.float32)
     y = TF.dyt(x, alpha, gamma, beta)
-    want = ref_dyt(x.detach(), alpha, gamma, beta)
+    want = dyt_ref(x.detach(), alpha, gamma, beta)
     torch.testing.assert_close(y, want, equal_nan=True)
     assert y[0, 1] == gamma[1] + beta[1] and y[1, 4] == beta[4] - gamma[4]
     y.backward(torch.ones_like(y))
@@ -114,11 +110,11 @@ def test_dyt_zero_stride_and_frozen_parameters():
     alpha = randn((1,), torch.float32, shift=0.5, requires_grad=True)
     scale = randn((), torch.float32, shift=1.0, requires_grad=True)
     check_op(lambda r, a, s: TF.dyt(r.expand(6, 45), a, s.expand(45)),
-             lambda r, a, s: ref_dyt(r.expand(6, 45), a, s.expand(45)), [row, alpha, scale], dtype=torch.float32)
+             lambda r, a, s: dyt_ref(r.expand(6, 45), a, s.expand(45)), [row, alpha, scale], dtype=torch.float32)
     x, alpha, gamma, beta = dyt_inputs((7, 30), torch.float32)
     alpha.requires_grad_(False)
     gamma.requires_grad_(False)
-    check_op(TF.dyt, ref_dyt, [x, alpha, gamma, beta], dtype=torch.float32)
+    check_op(TF.dyt, dyt_ref, [x, alpha, gamma, beta], dtype=torch.float32)
 
 
 def test_dyt_second_backward_over_retained_graph():
@@ -187,7 +183,7 @@ class DyT(torch.nn.Module):
         self.beta = torch.nn.Parameter(torch.randn(hidden_size) * 0.1) if beta else None
 
     def forward(self, x):
-        return ref_dyt(x, self.alpha, self.gamma, self.beta)
+        return dyt_ref(x, self.alpha, self.gamma, self.beta)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -2,10 +2,11 @@ import pytest
 import torch
 
 from tests.helpers import DEVICE, DTYPES, check_op, pick, randn
-from tests.ops.test_cross_entropy import check_compiled, make_target, opcheck_all_succeed, ref_cross_entropy
+from tests.ops.test_cross_entropy import check_compiled, make_target, opcheck_all_succeed
 from tigon import functional as TF
 from tigon.ops import TiedGradSlot
 from tigon.ops.embedding import SEGMENT_ROWS, embedding_backward_accumulate_
+from tigon.reference import cross_entropy_ref, embedding_ref
 
 # (vocab, hidden, ids shape)
 SHAPES = pick(cpu=[(37, 19, (3, 29)), (301, 300, (83,))], gpu=[(128256, 2048, (8, 1024)), (1003, 4099, (3, 777))])
@@ -20,10 +21,6 @@ def make_ids(vocab, shape, repeats=True):
     return ids
 
 
-def ref_embedding(ids, w, padding_idx=None):
-    return torch.nn.functional.embedding(ids, w, padding_idx=padding_idx)
-
-
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("padding_idx", [None, 3, -1])
@@ -31,7 +28,7 @@ def test_embedding_matches_torch(shape, dtype, padding_idx):
     vocab, hidden, ids_shape = shape
     ids = make_ids(vocab, ids_shape)
     w = randn((vocab, hidden), dtype, requires_grad=True)
-    check_op(lambda w: TF.embedding(ids, w, padding_idx), lambda w: ref_embedding(ids, w, padding_idx), [w],
+    check_op(lambda w: TF.embedding(ids, w, padding_idx), lambda w: embedding_ref(ids, w, padding_idx), [w],
              dtype=dtype, what=f"embedding[{ids_shape}, padding_idx={padding_idx}]")
 
 
@@ -90,8 +87,8 @@ def tied_lm(ids, w, mix, target, slot=None, **flce):
 
 
 def ref_tied_lm(ids, w, mix, target, reduction="mean"):
-    h = ref_embedding(ids, w) @ mix.to(w.dtype)
-    return ref_cross_entropy(h.reshape(-1, h.shape[-1]) @ w.t(), target.view(-1), reduction=reduction)
+    h = embedding_ref(ids, w) @ mix.to(w.dtype)
+    return cross_entropy_ref(h.reshape(-1, h.shape[-1]) @ w.t(), target.view(-1), reduction=reduction)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -4,16 +4,11 @@ import pytest
 import torch
 
 from tests.helpers import DTYPES, check_op, pick, randn, rel_err
-from tests.ops.test_rms_norm import ref_rms_norm
 from tigon import functional as TF
 from tigon.nn import TigonFusedAddRMSNorm
+from tigon.reference import fused_add_rms_norm_ref
 
 SHAPES = pick(cpu=[(3, 5, 33), (200, 24)], gpu=[(4, 2048, 4096), (3001, 8189)])
-
-
-def ref_fused_add_rms_norm(x, residual, w, eps=1e-6, offset=0.0, casting="llama"):
-    s = residual + x
-    return ref_rms_norm(s, w, eps, offset, casting), s
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -25,7 +20,7 @@ def test_fused_add_rms_norm_matches_reference(shape, dtype, casting, offset, non
     r = randn(shape, dtype, scale=2.0, requires_grad=True)
     w = randn(shape[-1:], dtype, scale=0.2, shift=1.0 - offset, requires_grad=True)
     check_op(lambda x, r, w: TF.fused_add_rms_norm(x, r, w, 1e-6, offset, casting),
-             lambda x, r, w: ref_fused_add_rms_norm(x, r, w, 1e-6, offset, casting),
+             lambda x, r, w: fused_add_rms_norm_ref(x, r, w, 1e-6, offset, casting),
              [x, r, w], dtype=dtype, what=f"fused_add_rms_norm[{casting}]")
 
 
@@ -35,7 +30,7 @@ def test_fused_add_rms_norm_without_weight(dtype, casting):
     x = randn((5, 3, 40), dtype, requires_grad=True)
     r = randn((5, 3, 40), dtype, requires_grad=True)
     check_op(lambda x, r: TF.fused_add_rms_norm(x, r, None, 1e-6, 0.0, casting),
-             lambda x, r: ref_fused_add_rms_norm(x, r, None, 1e-6, 0.0, casting), [x, r], dtype=dtype,
+             lambda x, r: fused_add_rms_norm_ref(x, r, None, 1e-6, 0.0, casting), [x, r], dtype=dtype,
              what=f"fused_add_rms_norm[{casting}, no weight]")
     with pytest.raises(ValueError, match="weight is None"):
         TF.fused_add_rms_norm(x, r, None, 1e-6, 1.0, casting)
@@ -47,7 +42,7 @@ def test_fused_add_rms_norm_only_normed_output_used():
     r = randn((6, 48), torch.float32, requires_grad=True)
     w = randn((48,), torch.float32, shift=1.0, requires_grad=True)
     check_op(lambda x, r, w: TF.fused_add_rms_norm(x, r, w)[0],
-             lambda x, r, w: ref_fused_add_rms_norm(x, r, w)[0], [x, r, w], dtype=torch.float32)
+             lambda x, r, w: fused_add_rms_norm_ref(x, r, w)[0], [x, r, w], dtype=torch.float32)
 
 
 def test_fused_add_rms_norm_inplace_leaves_a_shared_gradient_alone():
@@ -64,7 +59,7 @@ def test_fused_add_rms_norm_inplace_leaves_a_shared_gradient_alone():
         y, s = fn(x, r, w)
         return torch.autograd.grad((y + zz, s), (x, r, w, z), (gy.to(x.dtype), gs.to(x.dtype)))
 
-    want = gradients(ref_fused_add_rms_norm, *(t.detach().double().requires_grad_() for t in (x, r, w, z)))
+    want = gradients(fused_add_rms_norm_ref, *(t.detach().double().requires_grad_() for t in (x, r, w, z)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         got = gradients(lambda x, r, w: TF.fused_add_rms_norm(x, r, w, inplace=True), x, r, w, z)
@@ -91,7 +86,7 @@ def test_fused_add_rms_norm_zero_stride_inputs():
     rb = randn((1, 29), torch.float32, requires_grad=True)
     scale = randn((), torch.float32, shift=1.0, requires_grad=True)
     check_op(lambda xb, rb, s: TF.fused_add_rms_norm(xb.expand(6, 29), rb.expand(6, 29), s.expand(29)),
-             lambda xb, rb, s: ref_fused_add_rms_norm(xb.expand(6, 29), rb.expand(6, 29), s.expand(29)),
+             lambda xb, rb, s: fused_add_rms_norm_ref(xb.expand(6, 29), rb.expand(6, 29), s.expand(29)),
              [xb, rb, scale], dtype=torch.float32)
 
 

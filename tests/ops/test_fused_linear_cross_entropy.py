@@ -2,29 +2,16 @@ import pytest
 import torch
 
 from tests.helpers import DEVICE, DTYPES, check_op, pick, randn
-from tests.ops.test_cross_entropy import (
-    check_compiled,
-    make_target,
-    narrow_blocks,
-    opcheck_all_succeed,
-    option_args,
-    ref_cross_entropy,
-)
+from tests.ops.test_cross_entropy import check_compiled, make_target, narrow_blocks, opcheck_all_succeed, option_args
 from tigon import functional as TF
 from tigon.nn import TigonFusedLinearCrossEntropyLoss
 from tigon.ops.fused_linear_cross_entropy import chunk_rows_for_budget
+from tigon.reference import cross_entropy_ref, fused_linear_cross_entropy_ref
 
 # (rows, hidden, vocab)
 SHAPES = pick(cpu=[(37, 24, 301), (10, 16, 9000)], gpu=[(4096, 2048, 32000), (1000, 1024, 128256)])
 # A budget of a few rows of logits forces several chunks; None is the default (one chunk here).
 BUDGETS = {"chunked": lambda rows, vocab, elt: 8 * vocab * elt, "default": lambda rows, vocab, elt: None}
-
-
-def ref_flce(x, w, target, bias=None, **opts):
-    logits = x @ w.t().to(x.dtype)
-    if bias is not None:
-        logits = logits + bias.to(x.dtype)
-    return ref_cross_entropy(logits, target, **opts)
 
 
 def run_case(shape, dtype, w_dtype=None, bias=False, reduction="mean", ignore="some", budget="chunked",
@@ -39,7 +26,7 @@ def run_case(shape, dtype, w_dtype=None, bias=False, reduction="mean", ignore="s
     # gradients are rescaled by grad_output in the backward: allow two roundings.
     check_op(lambda x, w, b: TF.fused_linear_cross_entropy(x, w, target, b, reduction=reduction,
                                                           chunk_budget=chunk_budget, **opts),
-             lambda x, w, b: ref_flce(x, w, target, b, reduction=reduction, **opts),
+             lambda x, w, b: fused_linear_cross_entropy_ref(x, w, target, b, reduction=reduction, **opts),
              [x, w, b], dtype=dtype, tol=1e-4 if dtype == torch.float32 else 2e-2,
              what=f"flce[{reduction}, {ignore}, {budget}, bias={bias}, {sorted(opts)}]",
              noise_floor=2 * 2**-8 if dtype == torch.bfloat16 else 2e-5, worse_than_eager=3.0)
@@ -76,7 +63,7 @@ def test_flce_cross_entropy_options(option, dtype):
     if "weight" in ours:
         ours["ce_weight"] = ours.pop("weight")
     check_op(lambda x, w: TF.fused_linear_cross_entropy(x, w, target, chunk_budget=8 * v * 4, **ours),
-             lambda x, w: ref_flce(x, w, target, **opts), [x, w], dtype=dtype,
+             lambda x, w: fused_linear_cross_entropy_ref(x, w, target, **opts), [x, w], dtype=dtype,
              tol=1e-4 if dtype == torch.float32 else 2e-2, what=f"flce[{option}]",
              noise_floor=2 * 2**-8 if dtype == torch.bfloat16 else 2e-5, worse_than_eager=3.0)
 
@@ -96,7 +83,7 @@ def test_flce_masked_vocabulary(monkeypatch, dtype):
     target = torch.randint(v // 2, v, (n,), device=DEVICE)
     target[::3] = -100
     check_op(lambda x, w, b: TF.fused_linear_cross_entropy(x, w, target, b, chunk_budget=8 * v * 4),
-             lambda x, w, b: ref_flce(x, w, target, b), [x, w, b], dtype=dtype,
+             lambda x, w, b: fused_linear_cross_entropy_ref(x, w, target, b), [x, w, b], dtype=dtype,
              tol=1e-4 if dtype == torch.float32 else 2e-2, what="flce[masked]",
              noise_floor=2 * 2**-8 if dtype == torch.bfloat16 else 2e-5, worse_than_eager=3.0)
 
@@ -113,7 +100,8 @@ def test_flce_fp32_dw_accumulator_matches():
     target = make_target(n, v)
     check_op(lambda x, w: TF.fused_linear_cross_entropy(x, w, target, chunk_budget=8 * v * 4,
                                                        accum_dtype=torch.float32),
-             lambda x, w: ref_flce(x, w, target), [x, w], dtype=torch.float32, tol=1e-4, noise_floor=2e-5)
+             lambda x, w: fused_linear_cross_entropy_ref(x, w, target), [x, w], dtype=torch.float32, tol=1e-4,
+             noise_floor=2e-5)
 
 
 def test_flce_tied_embeddings_accumulate_both_gradients():
@@ -129,7 +117,7 @@ def test_flce_tied_embeddings_accumulate_both_gradients():
 
     model(w, lambda x, w: TF.fused_linear_cross_entropy(x, w, target, chunk_budget=4 * v * 4)).backward()
     w64 = w.detach().double().requires_grad_()
-    model(w64, lambda x, w: ref_flce(x, w, target)).backward()
+    model(w64, lambda x, w: fused_linear_cross_entropy_ref(x, w, target)).backward()
     torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-5, atol=1e-6)
 
 
@@ -141,7 +129,7 @@ def test_flce_3d_input_and_token_accuracy():
     loss, z, acc = TF.fused_linear_cross_entropy(x, w, target, lse_square_scale=1e-2, return_z_loss=True,
                                                 return_token_accuracy=True)
     logits = x.double() @ w.double().t()
-    torch.testing.assert_close(loss.double(), ref_cross_entropy(logits.reshape(-1, v), target.reshape(-1),
+    torch.testing.assert_close(loss.double(), cross_entropy_ref(logits.reshape(-1, v), target.reshape(-1),
                                                                 lse_square_scale=1e-2), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(z.double(), 1e-2 * torch.logsumexp(logits, -1).pow(2).mean(), rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(acc.double(), (logits.argmax(-1) == target).double().mean())
@@ -159,8 +147,8 @@ def test_flce_module_called_with_x_weight_target_bias(dtype):
     module = TigonFusedLinearCrossEntropyLoss(label_smoothing=0.1, lse_square_scale=1e-3, chunk_budget=8 * v * 4)
     assert "chunk_budget" in repr(module)
     check_op(lambda x, w, b: module(x, w, target, bias=b),
-             lambda x, w, b: ref_flce(x.reshape(-1, h), w, target.reshape(-1), b, label_smoothing=0.1,
-                                      lse_square_scale=1e-3),
+             lambda x, w, b: fused_linear_cross_entropy_ref(x.reshape(-1, h), w, target.reshape(-1), b,
+                                                            label_smoothing=0.1, lse_square_scale=1e-3),
              [x, w, b], dtype=dtype, tol=1e-4 if dtype == torch.float32 else 2e-2, what="flce module",
              noise_floor=2 * 2**-8 if dtype == torch.bfloat16 else 2e-5, worse_than_eager=3.0)
 
@@ -206,7 +194,8 @@ def test_flce_under_no_grad_computes_the_loss_only(monkeypatch):
     with torch.no_grad():
         loss = TF.fused_linear_cross_entropy(x, w, target)
     assert seen == [(False, False)]
-    torch.testing.assert_close(loss.double(), ref_flce(x.detach().double(), w.detach().double(), target),
+    torch.testing.assert_close(loss.double(),
+                               fused_linear_cross_entropy_ref(x.detach().double(), w.detach().double(), target),
                                rtol=1e-5, atol=1e-6)
 
 
@@ -277,7 +266,7 @@ def test_flce_backward_over_a_retained_graph_is_exact(reduction):
     for _ in range(3):
         loss.backward(retain_graph=True)
     refs = [t.detach().double().requires_grad_() for t in (x, w, b)]
-    half_loss(ref_flce, *refs).backward()
+    half_loss(fused_linear_cross_entropy_ref, *refs).backward()
     for ours, ref in zip((x, w, b), refs):
         torch.testing.assert_close(ours.grad.double(), 3 * ref.grad, rtol=1e-5, atol=1e-7)
 
@@ -289,7 +278,7 @@ def test_flce_token_scaling_predicted_tokens_and_strided_target():
     target = make_target(2 * n, v)[::2]
 
     def scaled_ref(x, w):
-        rows = ref_flce(x, w, target, reduction="none")
+        rows = fused_linear_cross_entropy_ref(x, w, target, reduction="none")
         valid = target != -100
         return (rows * torch.exp(-rows).detach() * valid).sum() / valid.sum()
 
@@ -392,7 +381,7 @@ def test_flce_gradients_formed_in_the_forward_are_scaled_in_place_and_adopted(mo
     (0.5 * TF.fused_linear_cross_entropy(x, w, target, chunk_budget=4 * v * 4)).backward()
     assert formed == [(x.grad.data_ptr(), w.grad.data_ptr())]
     refs = [t.detach().double().requires_grad_() for t in (x, w)]
-    (0.5 * ref_flce(*refs, target)).backward()
+    (0.5 * fused_linear_cross_entropy_ref(*refs, target)).backward()
     for ours, ref in zip((x, w), refs):
         torch.testing.assert_close(ours.grad.double(), ref.grad, rtol=1e-5, atol=1e-7)
 

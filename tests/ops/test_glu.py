@@ -1,21 +1,13 @@
 import pytest
 import torch
 
-from tests.helpers import DTYPES, check_op, pick, randn, up
+from tests.helpers import DTYPES, check_op, pick, randn
 from tests.ops.test_layer_norm import assert_compiles_like_eager
 from tigon import functional as TF
 from tigon.ops import glu_mlp
+from tigon.reference import glu_ref
 
 SHAPES = pick(cpu=[(2, 3, 37), (5, 1100), (1, 7)], gpu=[(4, 1024, 14336), (8191, 11008), (3, 4099)])
-
-
-def ref_glu(a, b, activation):
-    af = up(a)
-    if activation == "silu":
-        act = torch.nn.functional.silu(af)
-    else:
-        act = torch.nn.functional.gelu(af, approximate="tanh" if activation == "gelu_tanh" else "none")
-    return (act * up(b)).to(a.dtype)
 
 
 def ours(activation):
@@ -31,13 +23,13 @@ def ours(activation):
 def test_glu_matches_reference(shape, dtype, activation, non_contiguous):
     a = randn(shape, dtype, scale=3.0, non_contiguous=non_contiguous, requires_grad=True)
     b = randn(shape, dtype, requires_grad=True)
-    check_op(ours(activation), lambda a, b: ref_glu(a, b, activation), [a, b], dtype=dtype, what=activation)
+    check_op(ours(activation), lambda a, b: glu_ref(a, b, activation), [a, b], dtype=dtype, what=activation)
 
 
 def test_glu_on_halves_of_a_fused_projection():
     """a and b as the two halves of one gate_up output: strided views, read without a copy."""
     gate_up = randn(pick((6, 2 * 45), (4096, 2 * 8192)), torch.bfloat16, requires_grad=True)
-    check_op(lambda g: TF.swiglu(*g.chunk(2, dim=-1)), lambda g: ref_glu(*g.chunk(2, dim=-1), "silu"),
+    check_op(lambda g: TF.swiglu(*g.chunk(2, dim=-1)), lambda g: glu_ref(*g.chunk(2, dim=-1), "silu"),
              [gate_up], dtype=torch.bfloat16)
 
 
@@ -56,7 +48,7 @@ def test_glu_down_proj_matches_reference(dtype, activation, bias, row_slices, mo
     bvec = randn((hidden,), dtype, requires_grad=True) if bias else None
 
     def ref(a, b, w, bvec):
-        return torch.nn.functional.linear(ref_glu(a, b, activation), w, bvec)
+        return torch.nn.functional.linear(glu_ref(a, b, activation), w, bvec)
 
     # The down projection is a matmul: in fp32 it may run in tf32 on the GPU.
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-3
@@ -87,7 +79,7 @@ def test_glu_down_proj_backward_in_column_slices(dtype, inplace, fused_halves):
                                      slice_columns=slice_columns)
 
     def ref(x, wg, wd):
-        return torch.nn.functional.linear(ref_glu(*projections(x, wg), "silu"), wd)
+        return torch.nn.functional.linear(glu_ref(*projections(x, wg), "silu"), wd)
 
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-3
     check_op(fn, ref, [x, wg, wd], dtype=dtype, tol=tol, what="glu_down_proj slices")
@@ -119,12 +111,12 @@ def test_glu_multipliers_match_reference(dtype, activation):
     approximate = "tanh" if activation == "gelu_tanh" else "none"
     fn = (lambda a, b: TF.swiglu(a, b, gate_multiplier=0.7)) if activation == "silu" else \
         (lambda a, b: TF.geglu(a, b, approximate, gate_multiplier=0.7))
-    check_op(fn, lambda a, b: ref_glu(a * 0.7, b, activation), [a, b], dtype=dtype, what="glu multipliers")
+    check_op(fn, lambda a, b: glu_ref(a * 0.7, b, activation), [a, b], dtype=dtype, what="glu multipliers")
     w = randn((24, 37), dtype, scale=37**-0.5, requires_grad=True)
     bias = randn((24,), dtype, requires_grad=True)
 
     def ref(a, b, w, bias):
-        return torch.nn.functional.linear(ref_glu(a * 0.7, b, activation), w, bias) * 1.3
+        return torch.nn.functional.linear(glu_ref(a * 0.7, b, activation), w, bias) * 1.3
 
     check_op(lambda a, b, w, bias: TF.glu_down_proj(a, b, w, activation=activation, gate_multiplier=0.7,
                                                     down_multiplier=1.3, down_bias=bias),

@@ -3,18 +3,14 @@ import torch
 import torch.utils.checkpoint as checkpoint_module
 
 from tests.helpers import DEVICE, DTYPES, check_op, pick, randn, rel_err
-from tests.ops.test_glu import ref_glu
 from tests.ops.test_layer_norm import assert_compiles_like_eager
 from tigon import functional as TF
 from tigon.ops import glu_mlp
+from tigon.reference import glu_mlp_ref, glu_ref
 
 # (tokens, hidden, intermediate); on the CPU the intermediate is cut into 3 ragged slices of 16.
 TOKENS, HIDDEN, INTER = pick((2, 5), (2, 1023)), pick(24, 2048), pick(40, 5632 + 64)
 SLICE = pick(16, 2048)
-
-
-def ref_mlp(x, wg, wu, wd, activation="silu"):
-    return torch.nn.functional.linear(ref_glu(x @ wg.t(), x @ wu.t(), activation), wd)
 
 
 def make_weights(dtype, requires_grad=True):
@@ -40,13 +36,13 @@ def test_glu_mlp_matches_reference(dtype, activation, slices, non_contiguous):
     def ours(x, wg, wu, wd):
         return glu_mlp.glu_mlp_input_only(x, wg, wu, wd, activation, slice_columns=slice_columns)
 
-    check_op(ours, lambda *t: ref_mlp(*t, activation), [x, *make_weights(dtype)], dtype=dtype, tol=tol(dtype),
+    check_op(ours, lambda *t: glu_mlp_ref(*t, activation), [x, *make_weights(dtype)], dtype=dtype, tol=tol(dtype),
              what=f"glu_mlp[{activation}, {slices}, non_contiguous={non_contiguous}]")
 
 
 def test_glu_mlp_frozen_weights():
     x = randn((*TOKENS, HIDDEN), torch.float32, requires_grad=True)
-    check_op(lambda x, wg, wu, wd: TF.glu_mlp(x, wg, wu, wd), ref_mlp, [x, *make_weights(torch.float32, False)],
+    check_op(lambda x, wg, wu, wd: TF.glu_mlp(x, wg, wu, wd), glu_mlp_ref, [x, *make_weights(torch.float32, False)],
              dtype=torch.float32, tol=1e-3, what="glu_mlp, frozen weights")
 
 
@@ -56,7 +52,7 @@ def layer(x, weights, tail):
 
 
 def ref_layer(x, weights, tail):
-    return tail(x + ref_mlp(x * 1.5, *weights))
+    return tail(x + glu_mlp_ref(x * 1.5, *weights))
 
 
 TAILS = {
@@ -101,7 +97,7 @@ def test_glu_mlp_multipliers(dtype):
     x = randn((*TOKENS, HIDDEN), dtype, requires_grad=True)
 
     def ref(x, wg, wu, wd):
-        return torch.nn.functional.linear(ref_glu(x @ wg.t() * 0.7, x @ wu.t(), "silu"), wd) * 1.3
+        return torch.nn.functional.linear(glu_ref(x @ wg.t() * 0.7, x @ wu.t(), "silu"), wd) * 1.3
 
     check_op(lambda x, wg, wu, wd: TF.glu_mlp(x, wg, wu, wd, gate_multiplier=0.7, down_multiplier=1.3), ref,
              [x, *make_weights(dtype)], dtype=dtype, tol=tol(dtype), what="glu_mlp multipliers")

@@ -1,13 +1,14 @@
 import pytest
 import torch
 
-from tests.helpers import DTYPES, check_module, check_op, pick, randn, up
+from tests.helpers import DTYPES, check_module, check_op, pick, randn
 from tests.ops.test_layer_norm import assert_compiles_like_eager
 from tigon import functional as TF
 from tigon.nn import TigonGroupNorm
 from tigon.ops import group_norm as group_norm_ops
 from tigon.ops._common import next_pow2
 from tigon.ops.group_norm import GroupNormConfig, group_norm_config
+from tigon.reference import group_norm_ref
 
 # (shape, groups), each in the plan group_norm_config picks. CPU: all "one_tile" (a group in one
 # program's registers): masked columns (3, 6, 5), a 2 x 4200 group (2, 4, 70, 60), 24 channels a
@@ -21,16 +22,8 @@ CASES = pick(
 )
 
 
-def ref_group_norm(x, num_groups, w=None, b=None, eps=1e-5):
-    if w is None and b is not None:  # torch's CPU backward fails on a bias without a weight
-        w = torch.ones_like(b).detach()
-    y = torch.nn.functional.group_norm(up(x), num_groups, None if w is None else up(w), None if b is None else up(b),
-                                       eps)
-    return y.to(x.dtype)
-
-
 def check_group_norm(x, num_groups, w, b, dtype, **kwargs):
-    check_op(lambda x, w, b: TF.group_norm(x, num_groups, w, b), lambda x, w, b: ref_group_norm(x, num_groups, w, b),
+    check_op(lambda x, w, b: TF.group_norm(x, num_groups, w, b), lambda x, w, b: group_norm_ref(x, num_groups, w, b),
              [x, w, b], dtype=dtype, **kwargs)
 
 
@@ -140,16 +133,16 @@ def test_group_norm_strided_expanded_and_channels_last_inputs():
     from scalars or strided: torch's values and gradients (the kernels copy to contiguous)."""
     x = randn((3, 6, 4, 9), torch.float32, non_contiguous=True, requires_grad=True)
     w, b = randn((12,), torch.float32, requires_grad=True), randn((18,), torch.float32, requires_grad=True)
-    check_op(lambda x, w, b: TF.group_norm(x, 3, w[::2], b[::3]), lambda x, w, b: ref_group_norm(x, 3, w[::2], b[::3]),
+    check_op(lambda x, w, b: TF.group_norm(x, 3, w[::2], b[::3]), lambda x, w, b: group_norm_ref(x, 3, w[::2], b[::3]),
              [x, w, b], dtype=torch.float32)
     base = randn((3, 4, 5, 6), torch.float32, requires_grad=True)
-    check_op(lambda x: TF.group_norm(x.permute(0, 3, 1, 2), 2), lambda x: ref_group_norm(x.permute(0, 3, 1, 2), 2),
+    check_op(lambda x: TF.group_norm(x.permute(0, 3, 1, 2), 2), lambda x: group_norm_ref(x.permute(0, 3, 1, 2), 2),
              [base], dtype=torch.float32)
     row = randn((1, 6, 11), torch.float32, shift=2.0, requires_grad=True)
     scale = randn((), torch.float32, shift=1.0, requires_grad=True)
     shift = randn((), torch.float32, requires_grad=True)
     check_op(lambda r, s, t: TF.group_norm(r.expand(4, 6, 11), 3, s.expand(6), t.expand(6)),
-             lambda r, s, t: ref_group_norm(r.expand(4, 6, 11), 3, s.expand(6), t.expand(6)), [row, scale, shift],
+             lambda r, s, t: group_norm_ref(r.expand(4, 6, 11), 3, s.expand(6), t.expand(6)), [row, scale, shift],
              dtype=torch.float32)
 
 
@@ -174,7 +167,7 @@ def test_group_norm_non_finite_value_stays_in_its_group(monkeypatch, bad, plan):
     x = randn((3, 6, 10), torch.float32)
     x[1, 2, 7] = bad  # sample 1, group 1 (of 3)
     w, b = randn((6,), torch.float32, shift=1.0), randn((6,), torch.float32)
-    y, want = TF.group_norm(x, 3, w, b), ref_group_norm(x, 3, w, b)
+    y, want = TF.group_norm(x, 3, w, b), group_norm_ref(x, 3, w, b)
     assert torch.isnan(y[1, 2:4]).all()
     poisoned = torch.zeros_like(x, dtype=torch.bool)
     poisoned[1, 2:4] = True

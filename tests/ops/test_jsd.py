@@ -1,4 +1,3 @@
-import math
 
 import pytest
 import torch
@@ -6,34 +5,10 @@ import torch
 from tests.helpers import DEVICE, DTYPES, check_op, pick, randn, rel_err
 from tigon import functional as TF
 from tigon.ops.jsd import jsd_rows
+from tigon.reference import jsd_rows_ref, linear_jsd_ref
 
 # (rows, student hidden, teacher hidden, vocab): odd sizes; V over one kernel block on the CPU.
 SHAPES = pick(cpu=[(13, 24, 40, 301), (4, 16, 8, 9001)], gpu=[(2048, 4096, 2048, 128256), (999, 1024, 1536, 32001)])
-
-
-def jsd_of_logprobs(s, t, beta):
-    """TRL's / Liger's generalised JSD per row of log-probabilities s (student), t (teacher)."""
-    if beta == 0:
-        return (t.exp() * (t - s)).sum(-1)
-    if beta == 1:
-        return (s.exp() * (s - t)).sum(-1)
-    m = torch.logsumexp(torch.stack((s + math.log(1 - beta), t + math.log(beta))), 0)
-    return beta * (t.exp() * (t - m)).sum(-1) + (1 - beta) * (s.exp() * (s - m)).sum(-1)
-
-
-def ref_jsd_rows(s_logits, t_logits, beta, temperature):
-    """TRL's generalised JSD per row of logits, in their dtype (float64 for the reference)."""
-    return jsd_of_logprobs(torch.log_softmax(s_logits / temperature, -1), torch.log_softmax(t_logits / temperature, -1),
-                           beta)
-
-
-def ref_linear_jsd(x, w, tx, tw, b, beta, temperature):
-    s = x @ w.t()
-    if b is not None:
-        s = s + b
-    t = (tx @ tw.t()).to(s.dtype)
-    up = torch.float64 if s.dtype == torch.float64 else torch.float32
-    return ref_jsd_rows(s.to(up), t.to(up), beta, temperature)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -48,7 +23,7 @@ def test_linear_jsd_matches_reference(shape, dtype, beta, temperature):
     tx = randn((n, ht), dtype)
     tw = randn((v, ht), dtype, scale=ht**-0.5 * 3)
     check_op(lambda x, w, b: TF.linear_jsd(x, w, tx, tw, b, beta=beta, temperature=temperature),
-             lambda x, w, b: ref_linear_jsd(x, w, tx.to(x.dtype), tw.to(x.dtype), b, beta, temperature),
+             lambda x, w, b: linear_jsd_ref(x, w, tx.to(x.dtype), tw.to(x.dtype), b, beta, temperature),
              [x, w, b], dtype=dtype, tol=1e-4 if dtype == torch.float32 else 3e-2,
              noise_floor=4 * 2**-8 if dtype == torch.bfloat16 else 2e-5, worse_than_eager=3.0,
              what=f"linear_jsd[beta={beta}, T={temperature}]")
@@ -92,10 +67,10 @@ def test_jsd_kernel_large_logits_keep_precision(beta, temperature, offsets):
     grad = torch.empty_like(s)
     loss = jsd_rows(s, t, grad, beta, temperature)
     s64 = s.double().requires_grad_()
-    ref = ref_jsd_rows(s64, t.double(), beta, temperature)
+    ref = jsd_rows_ref(s64, t.double(), beta, temperature)
     (ref_grad,) = torch.autograd.grad(ref.sum(), s64)
     s32 = s.clone().requires_grad_()
-    eager = ref_jsd_rows(s32, t, beta, temperature)
+    eager = jsd_rows_ref(s32, t, beta, temperature)
     (eager_grad,) = torch.autograd.grad(eager.sum(), s32)
     for name, ours, theirs, exact in (("loss", loss, eager, ref), ("grad", grad, eager_grad, ref_grad)):
         err, eager_err = rel_err(ours, exact), rel_err(theirs, exact)
@@ -117,7 +92,7 @@ def test_jsd_kernel_masked_vocabulary(temperature):
     grad = torch.empty_like(s)
     loss = jsd_rows(s, t, grad, 0.0, temperature)
     s64 = s.double().requires_grad_()
-    ref = ref_jsd_rows(s64, t.double(), 0.0, temperature)
+    ref = jsd_rows_ref(s64, t.double(), 0.0, temperature)
     (ref_grad,) = torch.autograd.grad(ref.sum(), s64)
     assert ref_grad.isfinite().all() and not grad.isnan().any()
     assert rel_err(grad, ref_grad) <= 1e-5

@@ -5,21 +5,12 @@ against a float64 torch reference of the per-element formula, forward and backwa
 import pytest
 import torch
 
-from tests.helpers import DEVICE, DTYPES, check_op, pick, randn, up
-from tests.ops.test_jsd import jsd_of_logprobs
+from tests.helpers import DEVICE, DTYPES, check_op, pick, randn
 from tigon import functional as TF
+from tigon.reference import jsd_ref
 
 # (leading shape, vocab): odd sizes; 9001 spans three of the kernel's 4096-wide blocks.
 SHAPES = pick(cpu=[((13,), 301), ((2, 3), 9001)], gpu=[((2048,), 128256), ((3, 333), 32001)])
-
-
-def ref_jsd(x, y, target, beta, ignore_index=-100):
-    """Mean over the kept rows, in fp32 (float64 for float64 inputs); ignored rows never read."""
-    x, y = up(x), up(y).to(up(x).dtype)
-    if target is None:
-        return jsd_of_logprobs(x, y, beta).mean()
-    keep = target != ignore_index
-    return jsd_of_logprobs(x[keep], y[keep], beta).sum() / keep.sum().clamp_min(1)
 
 
 def logprobs(lead, v, dtype, *, non_contiguous=False, scale=2.0, requires_grad=False):
@@ -53,7 +44,7 @@ def floor(dtype):
 
 def check_jsd(x, y, target, beta, dtype, what, ignore_index=-100):
     check_op(lambda x: TF.jsd(x, y, target, beta=beta, ignore_index=ignore_index),
-             lambda x: ref_jsd(x, y.to(x.dtype), target, beta, ignore_index), [x], dtype=dtype, what=what,
+             lambda x: jsd_ref(x, y.to(x.dtype), target, beta, ignore_index), [x], dtype=dtype, what=what,
              noise_floor=floor(dtype))
 
 
@@ -83,13 +74,13 @@ def test_jsd_strided_expanded_and_mixed_dtype_inputs(dtype, beta):
     check_jsd(x, y_row, target, beta, dtype, f"jsd teacher stride 0[beta={beta}]")
     x_row = logprobs((1,), v, dtype, requires_grad=True)
     check_op(lambda x_row: TF.jsd(x_row.expand(*lead, v), y, target, beta=beta),
-             lambda x_row: ref_jsd(x_row.expand(*lead, v), y.to(x_row.dtype), target, beta), [x_row], dtype=dtype,
+             lambda x_row: jsd_ref(x_row.expand(*lead, v), y.to(x_row.dtype), target, beta), [x_row], dtype=dtype,
              what=f"jsd student stride 0[beta={beta}]", noise_floor=floor(dtype))
     y32 = logprobs(lead, v, torch.float32, scale=3.0)
     loss = TF.jsd(x, y32, target, beta=beta)
     (g,) = torch.autograd.grad(loss, x)
     x64 = x.detach().double().requires_grad_()
-    ref = ref_jsd(x64, y32.double(), target, beta)
+    ref = jsd_ref(x64, y32.double(), target, beta)
     (g_ref,) = torch.autograd.grad(ref, x64)
     assert torch.allclose(loss.double(), ref, rtol=1e-5, atol=1e-6)
     assert torch.allclose(g.double(), g_ref, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-6)
@@ -105,7 +96,7 @@ def test_jsd_aliased_student_and_teacher():
         assert abs(loss.item()) < 1e-6
         (g,) = torch.autograd.grad(loss, x)
         x64 = x.detach().double().requires_grad_()
-        (g_ref,) = torch.autograd.grad(ref_jsd(x64, x64.detach(), None, beta), x64)
+        (g_ref,) = torch.autograd.grad(jsd_ref(x64, x64.detach(), None, beta), x64)
         assert torch.allclose(g.double(), g_ref, rtol=1e-5, atol=1e-8)
         assert (g_ref != 0).all() if beta in (0.0, 1.0) else g_ref.abs().max() < 1e-12  # -Q, P, 0
 
@@ -125,7 +116,7 @@ def test_jsd_ignored_rows_are_not_read_and_all_ignored_gives_zero():
         loss = TF.jsd(x, y, target, beta=beta, ignore_index=ignore_index)
         (g,) = torch.autograd.grad(loss, x)
         x64 = x.detach().double().requires_grad_()
-        ref = ref_jsd(x64, y.double(), target, beta, ignore_index)
+        ref = jsd_ref(x64, y.double(), target, beta, ignore_index)
         (g_ref,) = torch.autograd.grad(ref, x64)
         assert torch.allclose(loss.double(), ref, rtol=1e-5), (loss, ref)
         assert torch.isfinite(g).all() and torch.equal(g[~keep], torch.zeros_like(g[~keep]))
@@ -175,7 +166,7 @@ def test_jsd_without_gradient():
     y = logprobs(lead, v, torch.float32)
     with torch.no_grad():
         quiet = TF.jsd(x, y, beta=0.5)
-    assert torch.allclose(quiet.double(), ref_jsd(x.detach().double(), y.double(), None, 0.5), rtol=1e-5)
+    assert torch.allclose(quiet.double(), jsd_ref(x.detach().double(), y.double(), None, 0.5), rtol=1e-5)
     assert not quiet.requires_grad
     assert torch.equal(TF.jsd(x.detach(), y, beta=0.5), quiet)
 

@@ -4,19 +4,10 @@ import torch
 from tests.helpers import DEVICE, DTYPES, check_op, launches_take_turns, pick, randn, run_in_threads
 from tests.ops.test_cross_entropy import make_target
 from tigon import functional as TF
+from tigon.reference import token_logps_ref
 
 # (rows, hidden, vocab): odd sizes; the GPU shape is one DPO chunk of a Llama-3-sized head.
 SHAPES = pick(cpu=[(37, 24, 301), (5, 16, 4099)], gpu=[(2048, 4096, 128256), (999, 1024, 32001)])
-
-
-def ref_token_logps(x, w, target, bias=None, ignore_index=-100):
-    logits = x @ w.t().to(x.dtype)
-    if bias is not None:
-        logits = logits + bias.to(x.dtype)
-    mask = target != ignore_index
-    lp = torch.gather(logits.to(torch.float64 if x.dtype == torch.float64 else torch.float32).log_softmax(-1), -1,
-                      torch.where(mask, target, 0).unsqueeze(-1)).squeeze(-1)
-    return lp * mask
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -29,7 +20,7 @@ def test_linear_token_logps_matches_reference(shape, dtype, bias, ignore):
     w = randn((v, h), dtype, scale=h**-0.5 * 3, requires_grad=True)
     b = randn((v,), dtype, scale=0.5, requires_grad=True) if bias else None
     target = make_target(n, v, ignore)
-    check_op(lambda x, w, b: TF.linear_token_logps(x, w, target, b), lambda x, w, b: ref_token_logps(x, w, target, b),
+    check_op(lambda x, w, b: TF.linear_token_logps(x, w, target, b), lambda x, w, b: token_logps_ref(x, w, target, b),
              [x, w, b], dtype=dtype, tol=1e-4 if dtype == torch.float32 else 2e-2,
              noise_floor=2 * 2**-8 if dtype == torch.bfloat16 else 2e-5, worse_than_eager=3.0,
              what=f"linear_token_logps[{ignore}, bias={bias}]")
@@ -41,7 +32,7 @@ def test_linear_token_logps_strided_x_and_fp32_head():
     x = randn((n, h), torch.bfloat16, non_contiguous=True, requires_grad=True)
     w = randn((v, h), torch.float32, scale=h**-0.5 * 3, requires_grad=True)
     target = make_target(n, v, "some")
-    check_op(lambda x, w: TF.linear_token_logps(x, w, target), lambda x, w: ref_token_logps(x, w, target),
+    check_op(lambda x, w: TF.linear_token_logps(x, w, target), lambda x, w: token_logps_ref(x, w, target),
              [x, w], dtype=torch.bfloat16, tol=2e-2, noise_floor=2 * 2**-8, worse_than_eager=3.0)
 
 
@@ -56,7 +47,7 @@ def test_linear_token_logps_under_autograd_grad_not_torch_func():
     value = (TF.linear_token_logps(x, w, target) * scale).sum()
     gx, gw = torch.autograd.grad(value, (x, w))
     xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    ref = (ref_token_logps(xr, wr, target) * scale).sum()
+    ref = (token_logps_ref(xr, wr, target) * scale).sum()
     ref.backward()
     torch.testing.assert_close(value, ref.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gx, xr.grad, rtol=1e-4, atol=1e-5)

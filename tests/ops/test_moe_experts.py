@@ -4,38 +4,13 @@ import torch
 from tests.helpers import DEVICE, check_op, pick, randn
 from tigon import functional as TF
 from tigon.ops import moe_experts as moe_experts_module
-from tigon.ops.glu import TORCH_ACTIVATIONS
 from tigon.ops.moe_experts import moe_experts_backward_op, moe_experts_op
+from tigon.reference import moe_experts_ref
 
 # (tokens, hidden, intermediate, experts). On the CPU the interpreter's tiles are 16 rows by 32
 # columns: odd sizes, a hidden / intermediate size above 32 where several column tiles matter.
 SMALL = pick(cpu=(13, 24, 20, 5), gpu=(2048, 1024, 768, 16))
 WIDE = pick(cpu=(11, 40, 36, 6), gpu=(1536, 2880, 1440, 12))
-
-
-def ref_moe(x, idx, w, gu, dn, gub=None, db=None, activation="silu", layout="gate_up", transposed=False,
-            alpha=1.702, limit=7.0):
-    """HF's expert loop (MixtralExperts / GptOssExperts eager), with every option: index E skipped,
-    each expert's rows rounded to x's dtype and added into a zero output."""
-    out = torch.zeros_like(x)
-    for e in range(gu.shape[0]):
-        pos, tok = torch.where(idx.T == e)
-        if tok.numel() == 0:
-            continue
-        g_u = x[tok] @ (gu[e] if transposed else gu[e].T)
-        if gub is not None:
-            g_u = g_u + gub[e]
-        g, u = (g_u[..., ::2], g_u[..., 1::2]) if layout == "interleaved" else g_u.chunk(2, dim=-1)
-        if activation == "clamped_swiglu":
-            g, u = g.clamp(max=limit), u.clamp(-limit, limit)
-            h = (u + 1) * (g * torch.sigmoid(g * alpha))
-        else:
-            h = TORCH_ACTIVATIONS[activation](g) * u
-        y = h @ (dn[e] if transposed else dn[e].T)
-        if db is not None:
-            y = y + db[e]
-        out.index_add_(0, tok, (y * w[tok, pos, None]).to(out.dtype))
-    return out
 
 
 def routing(tokens, experts, top_k, skip=True, dtype=torch.int64):
@@ -84,7 +59,7 @@ def moe(**options):
         opts = {k: v for k, v in options.items() if v is not None}
         if opts.get("activation") in ("gelu_pytorch_tanh",):
             opts["activation"] = "gelu_tanh"
-        return ref_moe(*inputs, **opts)
+        return moe_experts_ref(*inputs, **opts)
 
     return ours, ref
 

@@ -1,27 +1,17 @@
 import pytest
 import torch
 
-from tests.helpers import DTYPES, check_module, check_op, pick, randn, up
+from tests.helpers import DTYPES, check_module, check_op, pick, randn
 from tests.ops.test_layer_norm import assert_compiles_like_eager
 from tigon import functional as TF
 from tigon.nn import TigonPolyNorm
+from tigon.reference import poly_norm_ref
 
 # CPU: several rows a program and several row blocks a persistent backward program (257, 40).
 SHAPES = pick(
     cpu=[(2, 3, 33), (7, 128), (257, 40)],
     gpu=[(4, 1024, 4096), (16384, 8192), (3001, 8189), (65536, 768)],
 )
-
-
-def ref_poly_norm(x, weight, bias, eps=1e-6):
-    """PolyCom's PolyNorm (its README's module), in at least fp32."""
-    xf = up(x)
-
-    def norm(u):
-        return u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps)
-
-    w, b = up(weight), up(bias)
-    return (w[0] * norm(xf ** 3) + w[1] * norm(xf ** 2) + w[2] * norm(xf) + b).to(x.dtype)
 
 
 def poly_inputs(shape, dtype, bias_shape=(1,), **x_options):
@@ -39,14 +29,14 @@ def test_poly_norm_matches_reference(shape, dtype, non_contiguous):
     # the cotangent to bf16 alone moves by up to ~2% (eager torch as much): a looser bound there,
     # eager torch's error still bounding ours.
     tol = 3e-2 if dtype == torch.bfloat16 else None
-    check_op(TF.poly_norm, ref_poly_norm, poly_inputs(shape, dtype, non_contiguous=non_contiguous), dtype=dtype,
+    check_op(TF.poly_norm, poly_norm_ref, poly_inputs(shape, dtype, non_contiguous=non_contiguous), dtype=dtype,
              tol=tol, what=f"poly_norm{shape}")
 
 
 def test_poly_norm_float16_0dim_bias_and_eps():
     """Liger's module keeps the bias as a 0-dim tensor: accepted, its gradient of that shape."""
     x, weight, bias = poly_inputs((5, 70), torch.float16, bias_shape=())
-    check_op(lambda x, w, b: TF.poly_norm(x, w, b, eps=1e-3), lambda x, w, b: ref_poly_norm(x, w, b, eps=1e-3),
+    check_op(lambda x, w, b: TF.poly_norm(x, w, b, eps=1e-3), lambda x, w, b: poly_norm_ref(x, w, b, eps=1e-3),
              [x, weight, bias], dtype=torch.float16)
 
 
@@ -54,7 +44,7 @@ def test_poly_norm_bfloat16_input_with_float32_parameters():
     """Output in x's dtype, each gradient in its parameter's."""
     x = randn((6, 40), torch.bfloat16, requires_grad=True)
     _, weight, bias = poly_inputs((6, 40), torch.float32)
-    check_op(TF.poly_norm, ref_poly_norm, [x, weight, bias], dtype=torch.bfloat16, tol=3e-2)
+    check_op(TF.poly_norm, poly_norm_ref, [x, weight, bias], dtype=torch.bfloat16, tol=3e-2)
 
 
 def test_poly_norm_zero_stride_strided_and_frozen_parameters():
@@ -62,10 +52,10 @@ def test_poly_norm_zero_stride_strided_and_frozen_parameters():
     weight = randn((9,), torch.float32, shift=0.3, requires_grad=True)
     bias = randn((1,), torch.float32, requires_grad=True)
     check_op(lambda r, w, b: TF.poly_norm(r.expand(6, 45), w[::3], b),
-             lambda r, w, b: ref_poly_norm(r.expand(6, 45), w[::3], b), [row, weight, bias], dtype=torch.float32)
+             lambda r, w, b: poly_norm_ref(r.expand(6, 45), w[::3], b), [row, weight, bias], dtype=torch.float32)
     x, weight, bias = poly_inputs((7, 30), torch.float32)
     weight.requires_grad_(False)
-    check_op(TF.poly_norm, ref_poly_norm, [x, weight, bias], dtype=torch.float32)
+    check_op(TF.poly_norm, poly_norm_ref, [x, weight, bias], dtype=torch.float32)
 
 
 def test_poly_norm_zero_and_non_finite_rows():
@@ -76,7 +66,7 @@ def test_poly_norm_zero_and_non_finite_rows():
     x[3, 5] = float("inf")
     x.requires_grad_(True)
     y = TF.poly_norm(x, weight, bias)
-    want = ref_poly_norm(x.detach(), weight, bias)
+    want = poly_norm_ref(x.detach(), weight, bias)
     assert torch.equal(y[0], bias.expand(20))
     torch.testing.assert_close(y[:2], want[:2])
     assert torch.isnan(y[2]).all() and not torch.isfinite(y[3]).all()
@@ -148,7 +138,7 @@ class PolyNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        return ref_poly_norm(x, self.weight, self.bias, self.eps)
+        return poly_norm_ref(x, self.weight, self.bias, self.eps)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

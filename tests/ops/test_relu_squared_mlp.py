@@ -2,7 +2,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint_module
 
 from tests.helpers import DEVICE, DTYPES, check_module, check_op, pick, randn, rel_err
@@ -10,14 +9,11 @@ from tests.ops.test_layer_norm import assert_compiles_like_eager
 from tigon import functional as TF
 from tigon.nn import TigonReLUSquaredMLP
 from tigon.ops import glu_mlp, relu_squared_mlp
+from tigon.reference import relu_squared_mlp_ref
 
 # (tokens, hidden, intermediate); on the CPU the backward's ragged slices are 16, 16, 8 columns.
 TOKENS, HIDDEN, INTER = pick((2, 5), (2, 1023)), pick(24, 2048), pick(40, 8192 + 64)
 SLICE = pick(16, 4096)
-
-
-def ref_mlp(x, wu, wd, bu=None, bd=None):
-    return F.linear(torch.relu(F.linear(x, wu, bu)).square(), wd, bd)
 
 
 def make_params(dtype, bias, requires_grad=True):
@@ -48,7 +44,7 @@ def test_relu_squared_mlp_matches_reference(dtype, bias, slices, non_contiguous,
     def ours(x, wu, wd, bu, bd):
         return relu_squared_mlp.relu_squared_mlp(x, wu, wd, bu, bd, slice_columns=slice_columns)
 
-    check_op(ours, ref_mlp, [x, *make_params(dtype, bias)], dtype=dtype, tol=tol(dtype),
+    check_op(ours, relu_squared_mlp_ref, [x, *make_params(dtype, bias)], dtype=dtype, tol=tol(dtype),
              what=f"relu_squared_mlp[bias={bias}, {slices}, non_contiguous={non_contiguous}]")
 
 
@@ -60,15 +56,15 @@ def test_relu_squared_mlp_partial_gradients(needs):
     wanted = {"up": [wu], "down": [wd], "biases": [bu, bd]}.get(needs, [])
     for t in wanted:
         t.requires_grad_(True)
-    check_op(lambda x, wu, wd, bu, bd: TF.relu_squared_mlp(x, wu, wd, bu, bd), ref_mlp, [x, wu, wd, bu, bd],
-             dtype=torch.float32, tol=1e-3, what=f"relu_squared_mlp, gradients of {needs}")
+    check_op(lambda x, wu, wd, bu, bd: TF.relu_squared_mlp(x, wu, wd, bu, bd), relu_squared_mlp_ref,
+             [x, wu, wd, bu, bd], dtype=torch.float32, tol=1e-3, what=f"relu_squared_mlp, gradients of {needs}")
 
 
 def test_relu_squared_mlp_expanded_input():
     """x expanded from one token (stride 0): its gradient sums the tokens'."""
     row = randn((1, HIDDEN), torch.float32, requires_grad=True)
     check_op(lambda r, *p: TF.relu_squared_mlp(r.expand(6, HIDDEN), *p),
-             lambda r, *p: ref_mlp(r.expand(6, HIDDEN), *p), [row, *make_params(torch.float32, bias=True)],
+             lambda r, *p: relu_squared_mlp_ref(r.expand(6, HIDDEN), *p), [row, *make_params(torch.float32, bias=True)],
              dtype=torch.float32, tol=1e-3)
 
 
@@ -101,7 +97,7 @@ def test_relu_squared_mlp_under_checkpoint():
         return x + TF.relu_squared_mlp(x * 1.5, *params)
 
     checkpoint_module.checkpoint(layer, x, *params, use_reentrant=False).backward(cotangent.float())
-    (leaves64[0] + ref_mlp(leaves64[0] * 1.5, *leaves64[1:])).backward(cotangent)
+    (leaves64[0] + relu_squared_mlp_ref(leaves64[0] * 1.5, *leaves64[1:])).backward(cotangent)
     for name, got, want in zip(["x", "up", "down", "up_bias", "down_bias"], [x, *params], leaves64):
         assert rel_err(got.grad, want.grad) <= 1e-3, name
 
@@ -120,7 +116,7 @@ def test_relu_squared_mlp_under_autocast():
         return out, grads
 
     out, grads = run(TF.relu_squared_mlp)
-    want, want_grads = run(ref_mlp)
+    want, want_grads = run(relu_squared_mlp_ref)
     assert out.dtype == want.dtype == torch.bfloat16
     assert rel_err(out, want) <= 1e-2
     for g, w in zip(grads, want_grads):
@@ -157,7 +153,7 @@ def test_relu_squared_mlp_module_with_replaced_layers():
     scaled.load_state_dict(ours.up_proj.state_dict())
     ours.up_proj = scaled
     x = randn((*TOKENS, HIDDEN), torch.float32, requires_grad=True)
-    want = ref_mlp(x * 0.5, scaled.weight, ours.down_proj.weight, None, ours.down_proj.bias)
+    want = relu_squared_mlp_ref(x * 0.5, scaled.weight, ours.down_proj.weight, None, ours.down_proj.bias)
     assert rel_err(ours(x), want) <= 1e-5
 
 

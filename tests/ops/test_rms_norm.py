@@ -3,30 +3,16 @@ import warnings
 import pytest
 import torch
 
-from tests.helpers import DEVICE, DTYPES, ON_GPU, check_op, pick, randn, rel_err, up
+from tests.helpers import DEVICE, DTYPES, ON_GPU, check_op, pick, randn, rel_err
 from tigon import functional as TF
 from tigon.nn import TigonRMSNorm
+from tigon.reference import rms_norm_ref
 
 SHAPES = pick(
     cpu=[(2, 3, 33), (7, 128), (1, 1000), (257, 40)],
     gpu=[(4, 1024, 4096), (8192, 5120), (3001, 8189), (65536, 896), (17, 16384)],
 )
 MODES = [("llama", 0.0), ("gemma", 1.0), ("gemma", 0.0), ("llama", 1.0), ("none", 0.0)]
-
-
-def ref_rms_norm(x, w, eps=1e-6, offset=0.0, casting="llama"):
-    """HF's LlamaRMSNorm (casting="llama"), GemmaRMSNorm (casting="gemma"), and the plain
-    expression in the inputs' dtypes (casting="none", Liger's reference); w may be None."""
-    if casting == "none":
-        xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        return xn if w is None else (w + offset) * xn
-    xf = up(x)
-    xn = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if w is None:
-        return xn.to(x.dtype)
-    if casting == "llama":
-        return (w + offset) * xn.to(x.dtype)
-    return (xn * (offset + up(w))).to(x.dtype)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -37,7 +23,7 @@ def test_rms_norm_matches_reference(shape, dtype, casting, offset, non_contiguou
     x = randn(shape, dtype, non_contiguous=non_contiguous, requires_grad=True)
     w = randn(shape[-1:], dtype, scale=0.2, shift=1.0 - offset, requires_grad=True)
     check_op(lambda x, w: TF.rms_norm(x, w, 1e-6, offset, casting),
-             lambda x, w: ref_rms_norm(x, w, 1e-6, offset, casting),
+             lambda x, w: rms_norm_ref(x, w, 1e-6, offset, casting),
              [x, w], dtype=dtype, what=f"rms_norm[{casting}, offset={offset}]")
 
 
@@ -47,7 +33,7 @@ def test_rms_norm_mixed_dtypes_bf16_input_fp32_weight(casting):
     x = randn(pick((5, 77), (4096, 4096)), torch.bfloat16, requires_grad=True)
     w = randn(x.shape[-1:], torch.float32, shift=1.0, requires_grad=True)
     check_op(lambda x, w: TF.rms_norm(x, w, 1e-5, 0.0, casting),
-             lambda x, w: ref_rms_norm(x, w, 1e-5, 0.0, casting), [x, w], dtype=torch.bfloat16)
+             lambda x, w: rms_norm_ref(x, w, 1e-5, 0.0, casting), [x, w], dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -59,7 +45,7 @@ def test_rms_norm_none_casting_rounds_as_eager_torch(dtype, offset):
     x = randn(pick((64, 200), (4096, 4096)), dtype, scale=3.0)
     w = randn(x.shape[-1:], dtype, scale=0.2, shift=1.0 - offset)
     ours = TF.rms_norm(x, w, 1e-6, offset, "none")
-    eager = ref_rms_norm(x, w, 1e-6, offset, "none")
+    eager = rms_norm_ref(x, w, 1e-6, offset, "none")
     assert ours.dtype == eager.dtype == dtype
     ulp = torch.finfo(dtype).eps
     assert ((ours.float() - eager.float()).abs() <= ulp * eager.float().abs()).all()
@@ -71,7 +57,7 @@ def test_rms_norm_none_casting_rounds_as_eager_torch(dtype, offset):
 def test_rms_norm_without_weight(dtype, casting):
     """weight=None (elementwise_affine=False): no scaling, output in x's dtype, x's gradient only."""
     x = randn((9, 70), dtype, requires_grad=True)
-    check_op(lambda x: TF.rms_norm(x, None, 1e-6, 0.0, casting), lambda x: ref_rms_norm(x, None, 1e-6, 0.0, casting),
+    check_op(lambda x: TF.rms_norm(x, None, 1e-6, 0.0, casting), lambda x: rms_norm_ref(x, None, 1e-6, 0.0, casting),
              [x], dtype=dtype, what=f"rms_norm[{casting}, no weight]")
     assert TF.rms_norm(x, None, casting=casting).dtype == dtype
     with pytest.raises(ValueError, match="offset=1.0 .* weight is None"):
@@ -97,7 +83,7 @@ def test_rms_norm_inplace_leaves_a_shared_gradient_alone():
     x64, w64, z64 = (t.detach().double().requires_grad_() for t in (x, w, z))
     for g in (randn((6, 40), torch.float32), randn((1, 40), torch.float32).expand(6, 40)):
         kept = g.clone()
-        want = residual_add_gradients(ref_rms_norm, x64, w64, z64, g.double())
+        want = residual_add_gradients(rms_norm_ref, x64, w64, z64, g.double())
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             got = residual_add_gradients(lambda x, w: TF.rms_norm(x, w, inplace=True), x, w, z, g)
@@ -127,10 +113,10 @@ def test_rms_norm_zero_stride_and_strided_inputs():
     base = randn((1, 37), torch.float32, requires_grad=True)
     scale = randn((), torch.float32, shift=1.0, requires_grad=True)
     check_op(lambda b, s: TF.rms_norm(b.expand(5, 37), s.expand(37)),
-             lambda b, s: ref_rms_norm(b.expand(5, 37), s.expand(37)), [base, scale], dtype=torch.float32)
+             lambda b, s: rms_norm_ref(b.expand(5, 37), s.expand(37)), [base, scale], dtype=torch.float32)
     wide = randn((74,), torch.float32, requires_grad=True)
     x = randn((5, 37), torch.float32, requires_grad=True)
-    check_op(lambda x, w: TF.rms_norm(x, w[::2]), lambda x, w: ref_rms_norm(x, w[::2]), [x, wide],
+    check_op(lambda x, w: TF.rms_norm(x, w[::2]), lambda x, w: rms_norm_ref(x, w[::2]), [x, wide],
              dtype=torch.float32)
 
 
@@ -150,7 +136,7 @@ def test_rms_norm_second_backward_over_retained_graph(weight):
 def test_rms_norm_frozen_weight_and_empty_batch():
     x = randn((6, 40), torch.float32, requires_grad=True)
     w = randn((40,), torch.float32, shift=1.0)  # no grad: the kernel skips dW
-    check_op(TF.rms_norm, ref_rms_norm, [x, w], dtype=torch.float32)
+    check_op(TF.rms_norm, rms_norm_ref, [x, w], dtype=torch.float32)
     empty = randn((0, 40), torch.float32, requires_grad=True)
     w2 = randn((40,), torch.float32, requires_grad=True)
     y = TF.rms_norm(empty, w2)
@@ -204,5 +190,5 @@ def test_rms_norm_past_2_31_elements():
     w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     y = TF.rms_norm(x, w)
     tail = slice(rows - 128, rows)
-    torch.testing.assert_close(y[tail].float(), ref_rms_norm(x[tail].double(), w.double()).float(),
+    torch.testing.assert_close(y[tail].float(), rms_norm_ref(x[tail].double(), w.double()).float(),
                                atol=2e-2, rtol=2e-2)

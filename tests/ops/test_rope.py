@@ -4,28 +4,13 @@ import torch
 from tests.helpers import DTYPES, check_op, pick, randn
 from tests.ops.test_layer_norm import assert_compiles_like_eager
 from tigon import functional as TF
+from tigon.reference import rope_interleaved_ref, rope_ref
 
 # (batch, q heads, kv heads, tokens, head dim)
 SHAPES = pick(
     cpu=[(2, 4, 2, 5, 16), (1, 3, 3, 7, 12), (2, 6, 1, 3, 64)],
     gpu=[(4, 32, 8, 2048, 128), (2, 28, 4, 1000, 128), (1, 24, 8, 513, 96), (2, 8, 1, 4096, 256)],
 )
-
-
-def rotate_half(x):
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def ref_rope(q, k, cos, sin, unsqueeze_dim=1):
-    """HF's apply_rotary_pos_emb, with Phi-3's partial rotary (rotate the first cos.shape[-1] dims)."""
-    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    rot = cos.shape[-1]
-    out = []
-    for x in (q, k):
-        x_rot, x_pass = x[..., :rot], x[..., rot:]
-        out.append(torch.cat(((x_rot * cos) + (rotate_half(x_rot) * sin), x_pass), dim=-1))
-    return tuple(out)
 
 
 def hf_cos_sin(batch, tokens, rot, dtype, per_sequence=False, base=10000.0):
@@ -64,7 +49,7 @@ def test_rope_matches_hf(shape, dtype, layout, non_contiguous):
     unsqueeze_dim = 1 if layout == "bhtd" else 2
     cos, sin = hf_cos_sin(shape[0], shape[3], shape[4], dtype)
     check_op(lambda q, k: TF.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim),
-             lambda q, k: ref_rope(q, k, cos.to(q.dtype), sin.to(q.dtype), unsqueeze_dim),
+             lambda q, k: rope_ref(q, k, cos.to(q.dtype), sin.to(q.dtype), unsqueeze_dim),
              [q, k], dtype=dtype, what=f"rope[{layout}]")
 
 
@@ -76,7 +61,7 @@ def test_rope_per_sequence_cos_and_partial_rotary(dtype):
     q, k = make_qk((batch, hq, hk, tokens, dim), dtype, "bhtd", True)
     cos, sin = hf_cos_sin(batch, tokens, rot, dtype, per_sequence=True)
     check_op(lambda q, k: TF.apply_rotary_pos_emb(q, k, cos, sin),
-             lambda q, k: ref_rope(q, k, cos.to(q.dtype), sin.to(q.dtype)), [q, k], dtype=dtype)
+             lambda q, k: rope_ref(q, k, cos.to(q.dtype), sin.to(q.dtype)), [q, k], dtype=dtype)
 
 
 # (head dim D, rotary dim R): R < D not dividing D, D - R > R, D - R not a power of two, odd D,
@@ -131,7 +116,7 @@ def test_rope_odd_head_dim_matches_hf(case, dtype):
     assert not q.is_contiguous()
     cos, sin = randn((batch, tokens, rot), dtype), randn((batch, tokens, rot), dtype)
     check_op(lambda q, k: TF.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim),
-             lambda q, k: ref_rope(q, k, cos.to(q.dtype), sin.to(q.dtype), unsqueeze_dim),
+             lambda q, k: rope_ref(q, k, cos.to(q.dtype), sin.to(q.dtype), unsqueeze_dim),
              [q, k], dtype=dtype, what=f"rope[D={dim}, R={rot}, {layout}]")
 
 
@@ -142,7 +127,7 @@ def test_rope_more_angles_than_head_dims_is_refused():
     q, k = make_qk((1, 2, 1, 3, 41), torch.float32, "bhtd", False)
     cos, sin = hf_cos_sin(1, 3, 41, torch.float32)
     with pytest.raises(RuntimeError):
-        ref_rope(q, k, cos, sin)
+        rope_ref(q, k, cos, sin)
     with pytest.raises(ValueError, match="cos's last dim 42 is more than the head dim 41"):
         TF.apply_rotary_pos_emb(q, k, cos, sin)
     with pytest.raises(ValueError, match="cos's last dim 1 must be at least 2"):
@@ -163,11 +148,11 @@ def test_rope_zero_stride_inputs():
         return qb.expand(batch, hq, tokens, dim), kb.expand(batch, hk, tokens, dim)
 
     check_op(lambda qb, kb: TF.apply_rotary_pos_emb(*expand(qb, kb), cos_b, sin_b),
-             lambda qb, kb: ref_rope(*expand(qb, kb), cos, sin), [qb, kb], dtype=torch.float32)
+             lambda qb, kb: rope_ref(*expand(qb, kb), cos, sin), [qb, kb], dtype=torch.float32)
     table_cos, table_sin = hf_cos_sin(1, 9, dim, torch.float32)
     pos = torch.arange(2, 2 + tokens, device=qb.device)[None].expand(batch, -1)
     check_op(lambda qb, kb: TF.apply_rotary_pos_emb(*expand(qb, kb), table_cos[0], table_sin[0], position_ids=pos),
-             lambda qb, kb: ref_rope(*expand(qb, kb), table_cos[:, 2:2 + tokens], table_sin[:, 2:2 + tokens]),
+             lambda qb, kb: rope_ref(*expand(qb, kb), table_cos[:, 2:2 + tokens], table_sin[:, 2:2 + tokens]),
              [qb, kb], dtype=torch.float32)
 
 
@@ -188,7 +173,7 @@ def test_rope_unequal_halves_of_cos_sin():
     q, k = make_qk((batch, hq, hk, tokens, dim), torch.float32, "bhtd", False)
     cos = randn((1, tokens, dim), torch.float32)
     sin = randn((1, tokens, dim), torch.float32)
-    check_op(lambda q, k: TF.apply_rotary_pos_emb(q, k, cos, sin), lambda q, k: ref_rope(q, k, cos, sin),
+    check_op(lambda q, k: TF.apply_rotary_pos_emb(q, k, cos, sin), lambda q, k: rope_ref(q, k, cos, sin),
              [q, k], dtype=torch.float32)
 
 
@@ -200,7 +185,7 @@ def test_rope_position_ids_gather_from_table(pos_batch):
     pos = torch.randint(0, table, (pos_batch, tokens), device=q.device)
     cos, sin = cos_t[0][pos], sin_t[0][pos]  # [pos_batch, T, D], what the kernel gathers
     check_op(lambda q, k: TF.apply_rotary_pos_emb(q, k, cos_t, sin_t, position_ids=pos),
-             lambda q, k: ref_rope(q, k, cos, sin), [q, k], dtype=torch.float32)
+             lambda q, k: rope_ref(q, k, cos, sin), [q, k], dtype=torch.float32)
 
 
 @pytest.mark.parametrize("non_contiguous", [False, True])
@@ -218,7 +203,7 @@ def test_rope_gradients_take_the_inputs_layout(non_contiguous):
     dq, dk = torch.autograd.grad((out_q, out_k), (q, k), (gq, gk))
     assert dq.stride() == q.stride() and dk.stride() == k.stride()
     rq, rk = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
-    ref_q, ref_k = torch.autograd.grad(ref_rope(rq, rk, cos, sin), (rq, rk), (gq, gk))
+    ref_q, ref_k = torch.autograd.grad(rope_ref(rq, rk, cos, sin), (rq, rk), (gq, gk))
     torch.testing.assert_close(dq, ref_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dk, ref_k, rtol=1e-5, atol=1e-5)
 
@@ -286,17 +271,6 @@ def test_rope_compiles_without_graph_breaks(positions):
 
 # ---- interleaved pairs (torchtune's layout) ----
 
-def ref_rope_interleaved(x, cos, sin, unsqueeze_dim=2):
-    """torchtune's RotaryPositionalEmbeddings: adjacent pairs (x[2j], x[2j+1]) rotate by the
-    pair's angle; cos, sin [.., T, R/2] (one angle per pair); dims past R pass through."""
-    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    rot = 2 * cos.shape[-1]
-    pairs = x[..., :rot].unflatten(-1, (-1, 2))
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2)
-    return torch.cat((rotated, x[..., rot:]), dim=-1)
-
-
 def pair_angles(batch, tokens, n_pairs, dtype, base=10000.0):
     """cos, sin [1, T, R/2] of torchtune's rope cache (one angle per pair)."""
     theta = 1.0 / (base ** (torch.arange(0, 2 * n_pairs, 2, dtype=torch.float64) / (2 * n_pairs)))
@@ -316,8 +290,8 @@ def test_rope_interleaved_matches_torchtune(shape, dtype, layout, partial):
     n_pairs = dim // 4 if partial else dim // 2
     cos, sin = pair_angles(batch, tokens, n_pairs, dtype)
     check_op(lambda q, k: TF.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, interleaved=True),
-             lambda q, k: (ref_rope_interleaved(q, cos.to(q.dtype), sin.to(q.dtype), unsqueeze_dim),
-                           ref_rope_interleaved(k, cos.to(k.dtype), sin.to(k.dtype), unsqueeze_dim)),
+             lambda q, k: (rope_interleaved_ref(q, cos.to(q.dtype), sin.to(q.dtype), unsqueeze_dim),
+                           rope_interleaved_ref(k, cos.to(k.dtype), sin.to(k.dtype), unsqueeze_dim)),
              [q, k], dtype=dtype, what=f"rope interleaved[{layout}]")
 
 
@@ -332,12 +306,12 @@ def test_rope_interleaved_position_ids_and_no_k_heads():
     out, out_k = TF.apply_rotary_pos_emb(q, k, cos_t[0], sin_t[0], position_ids=pos, unsqueeze_dim=2,
                                          interleaved=True)
     assert out_k.shape == k.shape
-    expected = ref_rope_interleaved(q, cos_t[0][pos], sin_t[0][pos])
+    expected = rope_interleaved_ref(q, cos_t[0][pos], sin_t[0][pos])
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     g = randn(out.shape, torch.float32)
     (dq,) = torch.autograd.grad(out, q, g)
     rq = q.detach().clone().requires_grad_()
-    (ref_dq,) = torch.autograd.grad(ref_rope_interleaved(rq, cos_t[0][pos], sin_t[0][pos]), rq, g)
+    (ref_dq,) = torch.autograd.grad(rope_interleaved_ref(rq, cos_t[0][pos], sin_t[0][pos]), rq, g)
     torch.testing.assert_close(dq, ref_dq, rtol=1e-5, atol=1e-5)
 
 

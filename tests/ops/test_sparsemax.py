@@ -7,23 +7,11 @@ import torch
 
 from tests.helpers import DEVICE, DTYPES, check_op, pick, randn
 from tigon import functional as TF
+from tigon.reference import sparsemax_ref
 
 # (257, 40): 64 rows a forward program, several row blocks a persistent backward program.
 SHAPES = pick(cpu=[(2, 3, 33), (257, 40), (3, 40000)],
               gpu=[(16384, 4096), (4099, 32768), (3, 333, 1001), (64, 65536)])
-
-
-def ref_sparsemax(x, dim=-1):
-    """Sort the slice, find the support size k (the largest k with 1 + k z_(k) > sum_{j<=k}
-    z_(j)), tau = (sum of the top k - 1) / k; differentiable through the sort. An entry equal
-    to tau (likely on bf16's grid) is outside the support (clamp_min would pass it a gradient)."""
-    z = x.to(torch.promote_types(x.dtype, torch.float32)).movedim(dim, -1)
-    zs = torch.sort(z, dim=-1, descending=True).values
-    k = torch.arange(1, z.shape[-1] + 1, device=z.device, dtype=z.dtype)
-    cumsum = zs.cumsum(-1)
-    support = (1 + k * zs > cumsum).sum(-1, keepdim=True)
-    tau = (cumsum.gather(-1, support - 1) - 1) / support
-    return torch.where(z > tau, z - tau, 0.0).movedim(-1, dim).to(x.dtype)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -32,7 +20,7 @@ def ref_sparsemax(x, dim=-1):
 def test_sparsemax_matches_reference(shape, dtype, scale):
     """scale 3: supports of a few entries; 0.02: of hundreds (a third of a 40-wide row)."""
     x = randn(shape, dtype, non_contiguous=dtype == torch.float32, scale=scale, requires_grad=True)
-    check_op(TF.sparsemax, ref_sparsemax, [x], dtype=dtype, what=f"sparsemax{shape} scale {scale}")
+    check_op(TF.sparsemax, sparsemax_ref, [x], dtype=dtype, what=f"sparsemax{shape} scale {scale}")
 
 
 @pytest.mark.parametrize("row", ["geometric", "linear", "ties", "one large", "uniform", "narrow"])
@@ -46,7 +34,7 @@ def test_sparsemax_hard_rows(row):
          "one large": torch.where(i == 311, 50.0, -(i % 13)), "uniform": torch.full((n,), 0.25, device=DEVICE),
          "narrow": i * 1e-6}[row]
     x = x[torch.randperm(n, device=DEVICE)].reshape(1, n).requires_grad_()
-    check_op(TF.sparsemax, ref_sparsemax, [x], dtype=torch.float32, what=f"sparsemax {row}")
+    check_op(TF.sparsemax, sparsemax_ref, [x], dtype=torch.float32, what=f"sparsemax {row}")
     y = TF.sparsemax(x.detach())
     assert (y >= 0).all() and abs(y.double().sum().item() - 1) < 1e-5
 
@@ -60,7 +48,7 @@ def test_sparsemax_entry_at_tau_is_outside_the_support():
     x[3:, :3] = torch.tensor([1.0, 0.75, 0.75])
     x[3:, 3] = 0.5  # tau = (2.5 - 1) / 3
     x.requires_grad_()
-    check_op(TF.sparsemax, ref_sparsemax, [x], dtype=torch.bfloat16, what="sparsemax, an entry at tau")
+    check_op(TF.sparsemax, sparsemax_ref, [x], dtype=torch.bfloat16, what="sparsemax, an entry at tau")
     y = TF.sparsemax(x.detach())
     assert (y[3:, 3] == 0).all() and (y[:3, 1] == 0).all() and (y[:3, 0] == 1).all()
 
@@ -68,13 +56,13 @@ def test_sparsemax_entry_at_tau_is_outside_the_support():
 @pytest.mark.parametrize("dim", [0, 1])
 def test_sparsemax_over_other_dims(dim):
     x = randn((5, 6, 7), torch.float32, scale=0.5, requires_grad=True)
-    check_op(lambda x: TF.sparsemax(x, dim), lambda x: ref_sparsemax(x, dim), [x], dtype=torch.float32,
+    check_op(lambda x: TF.sparsemax(x, dim), lambda x: sparsemax_ref(x, dim), [x], dtype=torch.float32,
              what=f"sparsemax dim={dim}")
 
 
 def test_sparsemax_expanded_input_and_retained_graph():
     base = randn((1, 45), torch.float32, scale=0.3, requires_grad=True)
-    check_op(lambda b: TF.sparsemax(b.expand(6, 45)), lambda b: ref_sparsemax(b.expand(6, 45)), [base],
+    check_op(lambda b: TF.sparsemax(b.expand(6, 45)), lambda b: sparsemax_ref(b.expand(6, 45)), [base],
              dtype=torch.float32)
     x = randn((7, 48), torch.float32, scale=0.3, requires_grad=True)
     loss = (TF.sparsemax(x) * randn((7, 48), torch.float32)).sum()
@@ -95,9 +83,9 @@ def test_sparsemax_non_finite_values():
     x.requires_grad_()
     y = TF.sparsemax(x)
     kept = [c for c in range(9) if c not in (2, 7)]
-    torch.testing.assert_close(y[0, kept], ref_sparsemax(x.detach()[0, kept].double()).float())
+    torch.testing.assert_close(y[0, kept], sparsemax_ref(x.detach()[0, kept].double()).float())
     assert (y[0, [2, 7]] == 0).all() and y[1:4].isnan().all()
-    torch.testing.assert_close(y[4], ref_sparsemax(x.detach()[4].double()).float())
+    torch.testing.assert_close(y[4], sparsemax_ref(x.detach()[4].double()).float())
     (g,) = torch.autograd.grad(y, x, torch.ones_like(y))
     assert g[1:4].isnan().all() and not g[[0, 4]].isnan().any()
 
@@ -115,7 +103,7 @@ def test_sparsemax_module():
     from tigon.nn import TigonSparsemax
 
     x = randn((4, 5, 6), torch.bfloat16, requires_grad=True)
-    check_op(TigonSparsemax(1), lambda x: ref_sparsemax(x, 1), [x], dtype=torch.bfloat16, what="TigonSparsemax(1)")
+    check_op(TigonSparsemax(1), lambda x: sparsemax_ref(x, 1), [x], dtype=torch.bfloat16, what="TigonSparsemax(1)")
 
 
 def test_sparsemax_bad_inputs():

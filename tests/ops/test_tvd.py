@@ -8,27 +8,11 @@ import torch
 
 from tests.helpers import DEVICE, DTYPES, check_op, pick, randn
 from tigon import functional as TF
+from tigon.reference import tvd_ref
 
 REDUCTIONS = ["batchmean", "sum", "mean", "none"]
 # (leading shape, V): 5001 spans three 2048-wide chunks; 37 puts 32 rows in a program (150: 5).
 SHAPES = pick(cpu=[((2, 3), 5001), ((150,), 37)], gpu=[((2048,), 128256), ((3, 1001), 32001)])
-
-
-def ref_tvd(p, q, labels, reduction, ignore_index=-100):
-    """0.5 |p - q| with ignored rows zeroed, reduced over the kept rows; fp32 at least, "none"
-    in the promoted dtype."""
-    up = torch.promote_types(torch.promote_types(p.dtype, q.dtype), torch.float32)
-    d = 0.5 * (p.to(up) - q.to(up)).abs()
-    v = p.shape[-1]
-    if labels is None:
-        kept = d.new_tensor(float(d.numel() // max(v, 1)))
-    else:
-        keep = (labels != ignore_index).reshape(d.shape[:-1])
-        d = torch.where(keep[..., None], d, 0.0)
-        kept = keep.sum().to(up).clamp_min(1)
-    if reduction == "none":
-        return d.to(torch.promote_types(p.dtype, q.dtype))
-    return {"sum": d.sum(), "batchmean": d.sum() / kept, "mean": d.sum() / (kept * v)}[reduction]
 
 
 def probs(lead, v, dtype, *, scale=2.0, non_contiguous=False, requires_grad=True):
@@ -56,7 +40,7 @@ def floor(dtype):
 
 def check_tvd(p, q, labels, reduction, dtype, what, ignore_index=-100):
     check_op(lambda p, q: TF.tvd(p, q, labels, reduction=reduction, ignore_index=ignore_index),
-             lambda p, q: ref_tvd(p, q, labels, reduction, ignore_index), [p, q], dtype=dtype, what=what,
+             lambda p, q: tvd_ref(p, q, labels, reduction, ignore_index), [p, q], dtype=dtype, what=what,
              noise_floor=floor(dtype))
 
 
@@ -91,7 +75,7 @@ def test_tvd_strided_expanded_flat_labels_and_mixed_dtypes(reduction):
     check_tvd(p, q, labels, reduction, torch.float32, f"tvd strided[{reduction}]")
     row = probs((1,), v, torch.float32)
     check_op(lambda p, row: TF.tvd(p, row.expand(*lead, v), labels.reshape(-1), reduction=reduction),
-             lambda p, row: ref_tvd(p, row.expand(*lead, v), labels, reduction), [p, row], dtype=torch.float32,
+             lambda p, row: tvd_ref(p, row.expand(*lead, v), labels, reduction), [p, row], dtype=torch.float32,
              what=f"tvd q stride 0[{reduction}]")
     strided = torch.stack((labels, labels + 1), -1)[..., 0]
     assert not strided.is_contiguous()
@@ -120,7 +104,7 @@ def test_tvd_ignored_rows_are_not_read_and_ties_get_no_gradient():
         assert torch.isfinite(loss).all() and not gp[~keep].any() and not gq[~keep].any()
         assert not gp[keep, :5].any() and torch.equal(gq, -gp)
         p64, q64 = p.detach().double().requires_grad_(), q.detach().double()
-        want = ref_tvd(p64, q64, labels, reduction, ignore_index)
+        want = tvd_ref(p64, q64, labels, reduction, ignore_index)
         (wp,) = torch.autograd.grad(want, [p64], torch.ones_like(want))
         torch.testing.assert_close(loss.double(), want.nan_to_num(0.0), rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(gp[keep].double(), wp[keep])
@@ -133,7 +117,7 @@ def test_tvd_nan_in_a_kept_row():
     p.requires_grad_()
     loss = TF.tvd(p, q, reduction="sum")
     gp, gq = torch.autograd.grad(loss, [p, q])
-    want = ref_tvd(p.detach(), q.detach(), None, "sum")
+    want = tvd_ref(p.detach(), q.detach(), None, "sum")
     assert loss.isnan() and want.isnan() and gp[1, 2] == 0 and gq[1, 2] == 0 and torch.isfinite(gp).all()
 
 
@@ -163,7 +147,7 @@ def test_tvd_only_p_requires_grad_and_no_grad():
     p, q = probs(lead, v, torch.float32), probs(lead, v, torch.float32, requires_grad=False)
     (g,) = torch.autograd.grad(TF.tvd(p, q), [p])
     p64 = p.detach().double().requires_grad_()
-    (want,) = torch.autograd.grad(ref_tvd(p64, q.double(), None, "batchmean"), [p64])
+    (want,) = torch.autograd.grad(tvd_ref(p64, q.double(), None, "batchmean"), [p64])
     torch.testing.assert_close(g.double(), want)
     with torch.no_grad():
         quiet = TF.tvd(p, q)
@@ -177,7 +161,7 @@ def test_tvd_module():
     labels = make_labels(lead, v, "some", ignore_index=-1)
     p, q = probs(lead, v, torch.float32), probs(lead, v, torch.float32)
     ours = TigonTVDLoss(reduction="mean", ignore_index=-1)
-    check_op(lambda p, q: ours(p, q, labels), lambda p, q: ref_tvd(p, q, labels, "mean", -1), [p, q],
+    check_op(lambda p, q: ours(p, q, labels), lambda p, q: tvd_ref(p, q, labels, "mean", -1), [p, q],
              dtype=torch.float32)
     assert "ignore_index=-1" in repr(ours) and TigonTVDLoss().reduction == "batchmean"
 

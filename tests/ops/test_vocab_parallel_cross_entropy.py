@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from tests.helpers import DEVICE, DTYPES, TOL, check_op, pick, randn, rel_err, run_on_ranks
-from tests.ops.test_cross_entropy import check_compiled, make_target, opcheck_all_succeed, ref_cross_entropy
+from tests.ops.test_cross_entropy import check_compiled, make_target, opcheck_all_succeed
 from tigon import ambient
 from tigon import functional as TF
 from tigon.nn import TigonVocabParallelCrossEntropyLoss
+from tigon.reference import cross_entropy_ref
 
 # (rows, shard width, vocab_start): the interpreter's BLOCK_V is 128, so a 300-wide shard spans
 # three blocks and its 3 programs walk several rows each.
@@ -31,7 +32,7 @@ def run_sharded(dtype, reduction="mean", ignore="some", inplace=False, non_conti
     target, local = shard_target(ROWS, WIDTH, START, ignore)
     check_op(lambda x: TF.vocab_parallel_cross_entropy(x * 1, target, vocab_start=START, reduction=reduction,
                                                        inplace=inplace, **opts),
-             lambda x: ref_cross_entropy(x, local, reduction=reduction, **opts), [logits], dtype=dtype,
+             lambda x: cross_entropy_ref(x, local, reduction=reduction, **opts), [logits], dtype=dtype,
              what=f"vocab_parallel_cross_entropy[{reduction}, {ignore}, {sorted(opts)}]",
              noise_floor=BF16_FLOOR if dtype == torch.bfloat16 else None)
 
@@ -88,11 +89,11 @@ def test_expanded_and_transposed_logits_and_expanded_targets():
     base = randn((1, 40), torch.float32, scale=2.0, requires_grad=True)
     target = torch.tensor(START + 3, device=DEVICE).expand(6)
     check_op(lambda b: TF.vocab_parallel_cross_entropy(b.expand(6, 40), target, vocab_start=START, inplace=True),
-             lambda b: ref_cross_entropy(b.expand(6, 40), target - START), [base], dtype=torch.float32)
+             lambda b: cross_entropy_ref(b.expand(6, 40), target - START), [base], dtype=torch.float32)
     columns = randn((40, 6), torch.float32, scale=2.0, requires_grad=True)
     target, local = shard_target(6, 40, START)
     check_op(lambda c: TF.vocab_parallel_cross_entropy(c.t(), target, vocab_start=START, inplace=True),
-             lambda c: ref_cross_entropy(c.t(), local), [columns], dtype=torch.float32)
+             lambda c: cross_entropy_ref(c.t(), local), [columns], dtype=torch.float32)
 
 
 @pytest.mark.parametrize("inplace", [False, True])
@@ -102,7 +103,7 @@ def test_backward_over_a_retained_graph_is_exact(inplace):
     target, local = shard_target(ROWS, WIDTH, START)
     rows = TF.vocab_parallel_cross_entropy(x * 1, target, vocab_start=START, reduction="none", inplace=inplace)
     x64 = x.detach().double().requires_grad_()
-    ref = ref_cross_entropy(x64, local, reduction="none")
+    ref = cross_entropy_ref(x64, local, reduction="none")
     for i in range(2):
         cotangent = torch.randn(ROWS, device=DEVICE, dtype=torch.float64)
         (got,) = torch.autograd.grad(rows, x, cotangent.float(), retain_graph=True)
@@ -131,7 +132,7 @@ def test_masked_logits_and_non_finite_values():
     target = torch.where(local < WIDTH // 2, target, START)
     local = target - START
     check_op(lambda z: TF.vocab_parallel_cross_entropy(z, target, vocab_start=START, reduction="none"),
-             lambda z: ref_cross_entropy(z, local, reduction="none"), [x.requires_grad_()], dtype=torch.float32)
+             lambda z: cross_entropy_ref(z, local, reduction="none"), [x.requires_grad_()], dtype=torch.float32)
     y = x.detach().clone()
     y[1, 0], y[2, 1] = float("inf"), float("nan")
     rows = TF.vocab_parallel_cross_entropy(y, target, vocab_start=START, reduction="none")
@@ -143,7 +144,7 @@ def test_module_and_nd_input():
     target, local = shard_target(9, WIDTH, START)
     module = TigonVocabParallelCrossEntropyLoss(vocab_start=START, reduction="none", label_smoothing=0.1)
     check_op(lambda x: module(x, target.view(3, 3)),
-             lambda x: ref_cross_entropy(x.view(9, WIDTH), local, reduction="none", label_smoothing=0.1).view(3, 3),
+             lambda x: cross_entropy_ref(x.view(9, WIDTH), local, reduction="none", label_smoothing=0.1).view(3, 3),
              [logits], dtype=torch.float32)
     assert f"vocab_start={START}" in repr(module)
 
@@ -265,7 +266,7 @@ def dist_case(rank, spec, device):
         loss = fn(shard, target_dev)
     loss.backward(cotangent.to(device, loss.dtype))
     full64 = full.double().requires_grad_()
-    ref = ref_cross_entropy(full64, target, reduction=reduction, **opts)
+    ref = cross_entropy_ref(full64, target, reduction=reduction, **opts)
     ref.backward(cotangent)
     tol = TOL[dtype]
     for name, got, want in (("loss", loss, ref), ("grad", shard.grad, full64.grad[:, start:start + width])):

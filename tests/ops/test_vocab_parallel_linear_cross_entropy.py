@@ -11,10 +11,10 @@ import torch
 
 from tests.helpers import DEVICE, DTYPES, ON_GPU, check_op, pick, randn, rel_err, run_on_ranks
 from tests.ops.test_cross_entropy import make_target
-from tests.ops.test_fused_linear_cross_entropy import ref_flce
 from tests.ops.test_vocab_parallel_cross_entropy import shard_target
 from tigon import functional as TF
 from tigon.nn import TigonVocabParallelLinearCrossEntropyLoss
+from tigon.reference import fused_linear_cross_entropy_ref
 
 # (rows, hidden, shard width, vocab_start): the interpreter's BLOCK_V is 128, so the 300-wide
 # shard spans three blocks; CHUNK rows a chunk with the small budget (four chunks of x's rows).
@@ -49,8 +49,8 @@ def run_sharded(dtype, reduction="mean", ignore="some", bias=True, chunked=True,
     check_op(lambda x, w, b: TF.vocab_parallel_linear_cross_entropy(arrange(x), w, target, b, vocab_start=START,
                                                                      reduction=reduction, chunk_budget=chunk_budget,
                                                                      **opts),
-             lambda x, w, b: ref_flce(x, w, local, b, reduction=reduction, **opts), [x, w, b], dtype=dtype,
-             tol=FLCE_TOL[dtype], noise_floor=FLCE_FLOOR[dtype], worse_than_eager=3.0,
+             lambda x, w, b: fused_linear_cross_entropy_ref(x, w, local, b, reduction=reduction, **opts), [x, w, b],
+             dtype=dtype, tol=FLCE_TOL[dtype], noise_floor=FLCE_FLOOR[dtype], worse_than_eager=3.0,
              what=f"vocab_parallel_linear_cross_entropy[{reduction}, {ignore}, {x_layout}, {sorted(opts)}]")
 
 
@@ -85,8 +85,8 @@ def test_mean_divides_by_the_whole_calls_rows():
     target[:CHUNK] = local[:CHUNK] = -100
     check_op(lambda x, w: TF.vocab_parallel_linear_cross_entropy(x, w, target, vocab_start=START,
                                                                   chunk_budget=budget(CHUNK, WIDTH, torch.float32)),
-             lambda x, w: ref_flce(x, w, local), [x, w], dtype=torch.float32, tol=1e-4, noise_floor=2e-5,
-             worse_than_eager=3.0)
+             lambda x, w: fused_linear_cross_entropy_ref(x, w, local), [x, w], dtype=torch.float32, tol=1e-4,
+             noise_floor=2e-5, worse_than_eager=3.0)
 
 
 def test_z_loss_is_returned():
@@ -100,8 +100,8 @@ def test_z_loss_is_returned():
     valid = local != -100
     z_ref = 1e-2 * (torch.logsumexp(logits, -1).pow(2) * valid).sum() / valid.sum()
     torch.testing.assert_close(z_loss.double(), z_ref, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(loss.double(), ref_flce(x.double(), w.detach().double(), local, lse_square_scale=1e-2),
-                               rtol=1e-5, atol=1e-6)
+    want = fused_linear_cross_entropy_ref(x.double(), w.detach().double(), local, lse_square_scale=1e-2)
+    torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -121,7 +121,7 @@ def test_backward_over_a_retained_graph_is_exact(reduction):
     for _ in range(3):
         loss.backward(retain_graph=True)
     refs = [t.detach().double().requires_grad_() for t in (x, w, b)]
-    half_loss(ref_flce, refs[0], refs[1], local, refs[2]).backward()
+    half_loss(fused_linear_cross_entropy_ref, refs[0], refs[1], local, refs[2]).backward()
     for name, ours, ref in zip(("dx", "dW", "db"), (x, w, b), refs):
         err = rel_err(ours.grad, 3 * ref.grad)
         assert err <= 1e-4, f"{name} relative error {err:.3g} after three backward passes"
@@ -166,7 +166,7 @@ def test_module_and_nd_input():
     module = TigonVocabParallelLinearCrossEntropyLoss(vocab_start=START, reduction="none", label_smoothing=0.1,
                                                       chunk_budget=budget(5, WIDTH, torch.float32))
     check_op(lambda x, w, b: module(x, w, target.view(3, 4), bias=b),
-             lambda x, w, b: ref_flce(x.reshape(12, HIDDEN), w, local, b, reduction="none",
+             lambda x, w, b: fused_linear_cross_entropy_ref(x.reshape(12, HIDDEN), w, local, b, reduction="none",
                                       label_smoothing=0.1).view(3, 4),
              [x, w, b], dtype=torch.float32, tol=1e-4, noise_floor=2e-5, worse_than_eager=3.0)
     assert f"vocab_start={START}" in repr(module) and "chunk_budget" in repr(module)
@@ -323,7 +323,7 @@ def dist_case(rank, spec, device):
     if losses[0] != losses[1]:
         return "the ranks' losses differ"
     refs = [t.detach().double().requires_grad_() if t is not None else None for t in (x_full, w_full, b_full)]
-    ref = ref_flce(refs[0], refs[1], target, refs[2], reduction=reduction, **opts)
+    ref = fused_linear_cross_entropy_ref(refs[0], refs[1], target, refs[2], reduction=reduction, **opts)
     ref.backward(cotangent * backwards)
     compared = [("loss", loss, ref), ("dx", x.grad, refs[0].grad)]
     if spec.get("dtensor"):
