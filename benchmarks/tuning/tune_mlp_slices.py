@@ -1,11 +1,11 @@
 """tigon's SwiGLU MLP fwd+bwd with the down-projection backward in 1, 2 or 4 column slices
-(glu_mlp.DOWN_PROJ_BACKWARD_SLICES), next to eager torch and Liger's MLP, at two shapes. CUDA only:
+(glu_down.DOWN_PROJ_BACKWARD_SLICES), next to eager torch and Liger's MLP, at two shapes. CUDA only:
 ``PYTHONPATH=src python benchmarks/tuning/tune_mlp_slices.py``."""
 
 import torch
 from triton.testing import do_bench
 
-import tigon.ops.glu_mlp as GM
+import tigon.ops.glu_down as GD
 from tigon.nn import TigonSwiGLUMLP
 
 
@@ -23,7 +23,7 @@ def main():
         mod = TigonSwiGLUMLP(hidden_size=hidden, intermediate_size=inter).to("cuda", torch.bfloat16)
         line = [f"T{tokens} H{hidden} I{inter}:"]
         for slices in (1, 2, 4):
-            GM.DOWN_PROJ_BACKWARD_SLICES = slices
+            GD.DOWN_PROJ_BACKWARD_SLICES = slices
             torch.cuda.reset_peak_memory_stats()
             ms = do_bench(fwd_bwd(mod, x), warmup=100, rep=1000, return_mode="median")
             peak = torch.cuda.max_memory_allocated() / 2**20

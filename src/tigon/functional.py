@@ -20,7 +20,7 @@ from tigon.ops.dyt import dyt_op
 from tigon.ops.embedding import check_padding_idx, tied_grad_slot
 from tigon.ops.fused_linear_cross_entropy import checked_flce_options
 from tigon.ops.glu import GELU_APPROXIMATIONS, activation_name, check_activation, glu_op
-from tigon.ops.glu_mlp import glu_down_proj as _glu_down_proj
+from tigon.ops.glu_down import glu_down_proj as _glu_down_proj
 from tigon.ops.glu_mlp import glu_mlp_input_only
 from tigon.ops.group_norm import check_num_groups, group_norm_op
 from tigon.ops.jsd import check_jsd_options, jsd_op, linear_jsd_op

@@ -4,7 +4,7 @@ import torch
 from tests.helpers import DTYPES, check_op, pick, randn
 from tests.ops.test_layer_norm import assert_compiles_like_eager
 from tigon import functional as TF
-from tigon.ops import glu_mlp
+from tigon.ops import glu_down
 from tigon.reference import glu_ref
 
 SHAPES = pick(cpu=[(2, 3, 37), (5, 1100), (1, 7)], gpu=[(4, 1024, 14336), (8191, 11008), (3, 4099)])
@@ -40,7 +40,7 @@ def test_glu_on_halves_of_a_fused_projection():
 def test_glu_down_proj_matches_reference(dtype, activation, bias, row_slices, monkeypatch):
     """Whole, and with the forward in row slices (4 on the CPU: 3, 3, 3, 1 rows)."""
     if row_slices:
-        monkeypatch.setattr(glu_mlp, "DOWN_PROJ_MIN_SLICE_ROWS", 1)
+        monkeypatch.setattr(glu_down, "DOWN_PROJ_MIN_SLICE_ROWS", 1)
     tokens, hidden, inter = pick((2, 5, 24), (2, 1024, 4096))[:2], pick(24, 2048), pick(40, 5632)
     a = randn((*tokens, inter), dtype, scale=2.0, requires_grad=True)
     b = randn((*tokens, inter), dtype, requires_grad=True)
@@ -75,7 +75,7 @@ def test_glu_down_proj_backward_in_column_slices(dtype, inplace, fused_halves):
         return gate_up[..., :inter].contiguous(), gate_up[..., inter:].contiguous()
 
     def fn(x, wg, wd):
-        return glu_mlp.glu_down_proj(*projections(x, wg), wd, None, "silu", inplace=inplace,
+        return glu_down.glu_down_proj(*projections(x, wg), wd, None, "silu", inplace=inplace,
                                      slice_columns=slice_columns)
 
     def ref(x, wg, wd):
@@ -164,7 +164,7 @@ def test_glu_custom_ops_pass_opcheck(activation, halves):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("inplace", [False, True])
 def test_glu_down_custom_ops_pass_opcheck(bias, inplace):
-    from tigon.ops.glu_mlp import glu_down_backward_inplace_op, glu_down_backward_op, glu_down_op
+    from tigon.ops.glu_down import glu_down_backward_inplace_op, glu_down_backward_op, glu_down_op
 
     a = randn((2, 5, 40), torch.float32, requires_grad=True)
     b = randn((2, 5, 40), torch.float32, requires_grad=True)

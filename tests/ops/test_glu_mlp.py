@@ -5,7 +5,7 @@ import torch.utils.checkpoint as checkpoint_module
 from tests.helpers import DEVICE, DTYPES, check_op, pick, randn, rel_err
 from tests.ops.test_layer_norm import assert_compiles_like_eager
 from tigon import functional as TF
-from tigon.ops import glu_mlp
+from tigon.ops import glu_down, glu_mlp
 from tigon.reference import glu_mlp_ref, glu_ref
 
 # (tokens, hidden, intermediate); on the CPU the intermediate is cut into 3 ragged slices of 16.
@@ -193,8 +193,8 @@ def test_traced_formulas_match_the_sliced_ones(need):
         if w is not None:
             assert rel_err(g, w.reshape(g.shape)) < 1e-5
     a, b = x2 @ wg.t(), x2 @ wu.t()
-    want = glu_mlp.glu_down_backward(dout, a, b, wd, None, "gelu_tanh", multipliers, mm, SLICE, need_x, need_w, False)
-    got = glu_mlp.traced_glu_down_backward(dout2, a, b, wd, "gelu_tanh", multipliers, mm, need_x, need_w)
+    want = glu_down.glu_down_backward(dout, a, b, wd, None, "gelu_tanh", multipliers, mm, SLICE, need_x, need_w, False)
+    got = glu_down.traced_glu_down_backward(dout2, a, b, wd, "gelu_tanh", multipliers, mm, need_x, need_w)
     for g, w in zip(got, want[:3], strict=True):
         assert (g is None) == (w is None)
         if w is not None:

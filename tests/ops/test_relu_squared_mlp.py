@@ -8,7 +8,7 @@ from tests.helpers import DEVICE, DTYPES, check_module, check_op, pick, randn, r
 from tests.ops.test_layer_norm import assert_compiles_like_eager
 from tigon import functional as TF
 from tigon.nn import TigonReLUSquaredMLP
-from tigon.ops import glu_mlp, relu_squared_mlp
+from tigon.ops import glu_down, relu_squared_mlp
 from tigon.reference import relu_squared_mlp_ref
 
 # (tokens, hidden, intermediate); on the CPU the backward's ragged slices are 16, 16, 8 columns.
@@ -37,7 +37,7 @@ def test_relu_squared_mlp_matches_reference(dtype, bias, slices, non_contiguous,
     """Ragged backward column slices with the forward in row slices (3, 3, 3, 1 rows on the
     CPU), or each pass whole."""
     if slices == "ragged":
-        monkeypatch.setattr(glu_mlp, "DOWN_PROJ_MIN_SLICE_ROWS", 1)
+        monkeypatch.setattr(glu_down, "DOWN_PROJ_MIN_SLICE_ROWS", 1)
     x = randn((*TOKENS, HIDDEN), dtype, non_contiguous=non_contiguous, requires_grad=True)
     slice_columns = SLICE if slices == "ragged" else None
 

@@ -5,7 +5,8 @@ from tigon.ops.embedding import TiedGradSlot, embedding_backward_op, embedding_o
 from tigon.ops.fused_add_rms_norm import fused_add_rms_norm_op
 from tigon.ops.fused_linear_cross_entropy import fused_linear_cross_entropy_backward_op, fused_linear_cross_entropy_op
 from tigon.ops.glu import glu_op
-from tigon.ops.glu_mlp import glu_down_op, glu_mlp_op
+from tigon.ops.glu_down import glu_down_op
+from tigon.ops.glu_mlp import glu_mlp_op
 from tigon.ops.jsd import jsd_backward_op, jsd_op, linear_jsd_op
 from tigon.ops.kl_div import kl_div_backward_op, kl_div_op
 from tigon.ops.layer_norm import layer_norm_op

@@ -36,12 +36,7 @@ from tigon.ops._common import (
     traced,
 )
 from tigon.ops._internals import graph_retained
-from tigon.ops.glu_mlp import (
-    check_slice_columns,
-    column_slices,
-    down_proj_slice_columns,
-    down_proj_slice_rows,
-)
+from tigon.ops.glu_down import check_slice_columns, column_slices, down_proj_slice_columns, down_proj_slice_rows
 from tigon.ops.relu_squared import relu_squared_backward, relu_squared_forward
 
 

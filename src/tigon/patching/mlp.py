@@ -12,7 +12,8 @@ from tigon import ambient
 from tigon import functional as TF
 from tigon.ambient import planning
 from tigon.ops.glu import TORCH_ACTIVATIONS
-from tigon.ops.glu_mlp import gated_mlp, glu_down
+from tigon.ops.glu_down import glu_down
+from tigon.ops.glu_mlp import gated_mlp
 from tigon.ops.moe_experts import CLAMPED_SWIGLU
 from tigon.patching.errors import TigonPatchError
 
