@@ -203,19 +203,26 @@ def recording_backend():
     return ops, backend
 
 
-def launches_take_turns(monkeypatch, module):
-    """Triton's interpreter is not thread-safe: ``module``'s kernel launches take turns under a lock
-    (everything else runs concurrently)."""
+def launches_take_turns(monkeypatch):
+    """Triton's interpreter is not thread-safe: every kernel launch of tigon's ops takes turns under
+    one lock (everything else runs concurrently). Each op module binds ``launch`` at import, so
+    each module's name is patched."""
+    import sys
     import threading
 
+    from tigon.ops import _internals
+
     lock = threading.Lock()
-    unlocked = module.launch
+    unlocked = _internals.launch
 
     def launch(*args, **kwargs):
         with lock:
             return unlocked(*args, **kwargs)
 
-    monkeypatch.setattr(module, "launch", launch)
+    for name, module in list(sys.modules.items()):
+        if (name.startswith("tigon.ops.") and module is not _internals
+                and getattr(module, "launch", None) is unlocked):
+            monkeypatch.setattr(module, "launch", launch)
 
 
 def run_in_threads(target, barriers=(), n=2):

@@ -7,7 +7,6 @@ import threading
 import pytest
 import torch
 
-import tigon.ops.cross_entropy as ce
 import tigon.ops.linear_token_logps as lt
 from tests.helpers import DEVICE, launches_take_turns, randn, run_in_threads
 from tigon.losses import dpo_loss
@@ -53,9 +52,9 @@ def test_two_losses_over_one_head_forwards_before_backwards():
 
 @pytest.fixture
 def kernels_take_turns(monkeypatch):
-    """Triton's interpreter is not thread-safe: the cross-entropy module's launches take turns
-    (everything else, the loss's head-gradient blocks among it, runs concurrently)."""
-    launches_take_turns(monkeypatch, ce)
+    """Triton's interpreter is not thread-safe: the ops' kernel launches take turns (everything
+    else, the loss's head-gradient blocks among it, runs concurrently)."""
+    launches_take_turns(monkeypatch)
 
 
 def test_two_threads_run_chunked_losses_over_one_head(kernels_take_turns, monkeypatch):
