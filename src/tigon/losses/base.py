@@ -38,8 +38,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tigon.ops._common import chunk_budget_bytes, interpreter_enabled, traced
-from tigon.ops._gradient_scaling import scale_rows
+from tigon.ops._common import chunk_budget_bytes, traced
+from tigon.ops._gradient_scaling import scaled_gradient
 from tigon.ops._internals import graph_retained
 from tigon.ops.fused_linear_cross_entropy import chunk_rows_for_budget
 from tigon.ops.linear_token_logps import accumulate_head_grads
@@ -172,24 +172,8 @@ class ChunkedLossFunction(torch.autograd.Function):
         # autograd, make_fx) always scales into new tensors.
         retained = traced(grad_loss) or graph_retained()
         for i, g in zip(ctx.grad_index, ctx.saved_tensors):
-            out[i] = scale_saved_gradient(g, grad_loss, in_place=not retained)
+            out[i] = scaled_gradient(g, grad_loss, retained)
         return (None, *out)
-
-
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def scale_saved_gradient(g, grad_loss, in_place):
-    """g * grad_loss (one element) in g's dtype, grad_loss's value never read on the host (a host
-    read would stall the host until the device has run the whole forward): over g itself with
-    ``in_place``, else into a new tensor. A contiguous g that tigon's kernels take goes through
-    the scale kernel, which in place leaves g unread when the scale is exactly 1 (what
-    loss.backward() gives): a launch, no pass over a [V, H] gradient. Anything else (traced,
-    strided, float64, a device tigon's kernels do not run on): torch's multiply."""
-    if (not traced(g, grad_loss) and g.dtype in _KERNEL_DTYPES and g.is_contiguous()
-            and (g.is_cuda or (g.device.type == "cpu" and interpreter_enabled()))):
-        return scale_rows(g, grad_loss.reshape(1), out=g if in_place else torch.empty_like(g))
-    return g.mul_(grad_loss) if in_place else (g * grad_loss).to(g.dtype)
 
 
 def run_chunked(chunk_fn, chunked, shared, row_chunks, compiled=False):

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from tigon.ops._common import cdiv, next_pow2, traced
-from tigon.ops._internals import graph_retained, launch
+from tigon.ops._internals import graph_retained, interpreter_enabled, launch
 
 
 @triton.jit
@@ -69,14 +69,26 @@ def scale_rows(x2, scale, out=None):
     return out
 
 
-def scaled_gradient(grad, scale):
-    """A gradient formed in the forward pass, times grad_output ``scale`` (fp32, one element or
-    one per row), for a backward. Eager: over ``grad`` itself when the graph is freed after this
-    backward (no copy; autograd may adopt the buffer as .grad), else into a new buffer, so that
-    ``grad`` is still exact for the next backward over the retained graph. Traced (see
-    ``traced``): a new tensor from torch ops, the same fp32 product rounded to grad's dtype."""
+# The dtypes the scale kernels take; anything else (float64, ...) is scaled by torch.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def scaled_gradient(grad, scale, retained=None):
+    """A gradient formed in the forward pass, times grad_output ``scale`` (one element or one per
+    row of a 2-D grad), for a backward; scale's value is never read on the host (that would stall
+    it until the device has run the whole forward). Eager: over ``grad`` itself when the graph is
+    freed after this backward (no copy; autograd may adopt the buffer as .grad), else into a new
+    buffer, so that ``grad`` is still exact for the next backward over the retained graph;
+    ``retained``: whether it is (None: ask autograd). A contiguous grad of a kernel dtype on a
+    device tigon's kernels run on goes through the scale kernels, which in place leave grad
+    unread when the scale is exactly 1 (what loss.backward() gives): a launch, no pass over it.
+    Traced (see ``traced``), strided, float64 or elsewhere: torch's multiply, in the wider of
+    grad's dtype and fp32, rounded to grad's dtype."""
+    factor = scale.reshape(-1, *(1,) * (grad.ndim - 1)) if grad.ndim else scale.reshape(())
     if traced(grad, scale):
-        return (grad.float() * scale.reshape(-1, *(1,) * (grad.ndim - 1))).to(grad.dtype)
-    if graph_retained():
-        return scale_rows(grad, scale, out=torch.empty_like(grad))
-    return scale_rows(grad, scale)
+        return (grad.to(torch.promote_types(grad.dtype, torch.float32)) * factor).to(grad.dtype)
+    in_place = not (graph_retained() if retained is None else retained)
+    if (grad.dtype in KERNEL_DTYPES and grad.is_contiguous() and (scale.numel() == 1 or grad.ndim == 2)
+            and (grad.is_cuda or (grad.device.type == "cpu" and interpreter_enabled()))):
+        return scale_rows(grad, scale, out=grad if in_place else torch.empty_like(grad))
+    return grad.mul_(factor) if in_place else (grad * factor).to(grad.dtype)
