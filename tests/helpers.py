@@ -64,11 +64,6 @@ NOISE_FLOOR = {torch.float32: 2e-6, torch.float16: 5e-4, torch.bfloat16: 4e-3}
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def up(x: torch.Tensor) -> torch.Tensor:
-    """x in at least fp32 (float64 stays float64): the 'compute in fp32' of HF's references."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
 def pick(cpu, gpu):
     """Small cases in the interpreter, realistic ones on the GPU."""
     return gpu if ON_GPU else cpu
