@@ -3,20 +3,28 @@ hidden states go to ``tigon.losses.dpo_loss`` with the lm_head weights, so the [
 logits of neither model are formed for the whole batch.
 
 Run: ``python examples/dpo_with_trl.py`` (a tiny random Llama and an offline word-level
-tokenizer; CPU or GPU). It trains a few steps with TRL's own loss and with tigon's, from the
-same weights and data, and prints both loss curves. For a real model, pass your model,
-reference model, tokenizer and dataset to ``TigonDPOTrainer`` as to ``DPOTrainer``.
+tokenizer; CPU or GPU; on the CPU it turns on Triton's interpreter itself). It trains a few
+steps with TRL's own loss and with tigon's, from the same weights and data, and prints both loss
+curves. For a real model, pass your model, reference model, tokenizer and dataset to
+``TigonDPOTrainer`` as to ``DPOTrainer``.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
-from trl import DPOConfig, DPOTrainer
 
-from tigon.losses import dpo_loss
-from tigon.losses.preference import DPO_TYPES
+# Without a GPU, tigon's kernels run in Triton's interpreter, which must be on before triton is
+# first imported (trl imports it): importing tigon first would do it too.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from trl import DPOConfig, DPOTrainer  # noqa: E402
+
+from tigon.losses import dpo_loss  # noqa: E402
+from tigon.losses.preference import DPO_TYPES  # noqa: E402
 
 
 class TigonDPOTrainer(DPOTrainer):

@@ -3,22 +3,29 @@ completion positions go to ``tigon.losses.grpo_loss`` with the lm_head weight, w
 logits a chunk of sequences at a time and the gradients in the same pass.
 
 Run: ``python examples/grpo_with_trl.py`` (a tiny random Llama, an offline word-level tokenizer,
-a toy reward and TRL's DAPO length penalty; CPU or GPU). It trains a few steps with TRL's own
-loss and with tigon's, from the same weights, data and seed, and prints both runs' losses and
-gradient norms. For a real
-model, pass your model, reward functions, tokenizer, dataset and GRPOConfig to
-``TigonGRPOTrainer`` as to ``GRPOTrainer`` (one line changes).
+a toy reward and TRL's DAPO length penalty; CPU or GPU; on the CPU it turns on Triton's
+interpreter itself). It trains a few steps with TRL's own loss and with tigon's, from the same
+weights, data and seed, and prints both runs' losses and gradient norms. For a real model, pass
+your model, reward functions, tokenizer, dataset and GRPOConfig to ``TigonGRPOTrainer`` as to
+``GRPOTrainer`` (one line changes).
 """
 
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
-from trl import GRPOConfig, GRPOTrainer
-from trl.rewards import get_soft_overlong_punishment
 
-from tigon.losses import grpo_loss
+# Without a GPU, tigon's kernels run in Triton's interpreter, which must be on before triton is
+# first imported (trl imports it): importing tigon first would do it too.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from trl.rewards import get_soft_overlong_punishment  # noqa: E402
+
+from tigon.losses import grpo_loss  # noqa: E402
 
 TIGON_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 

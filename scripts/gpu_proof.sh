@@ -13,7 +13,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/device_env.sh
-tigon() { python3 -m tigon_cli "$@"; }
+tigon() { python3 -m tigon "$@"; }
 train_hf() { python3 benchmarks/train_hf.py "$@" 2>&1 | grep -v -i "warn\|backend impl"; }
 status=0
 for part in "${@:-quick}"; do
@@ -155,7 +155,7 @@ case "$part" in
       e2e-eager) runs=("llama_eager|$llama --impls hf,liger,tigon-class,tigon"
                        "qwen_eager|$qwen --impls hf,liger,tigon-class,tigon"
                        "llama_seq_eager|--shape llama-1b --batch 4 --seqs 512 1024 2048 4096 8192 16384 32768 --impls hf,liger,tigon"
-                       "host|!python3 -m tigon_cli bench --host --out $OUT/e2e/host"
+                       "host|!python3 -m tigon bench --host --out $OUT/e2e/host"
                        "gpu_tests|!python3 -m pytest -q --gpu -p no:cacheprovider -n 4 ${TESTS:-tests/ops/test_rope.py}") ;;
       e2e-compiled) runs=("llama_compiled|$llama --impls hf+compile,tigon+compile"
                           "qwen_compiled|$qwen --impls hf+compile,tigon+compile") ;;

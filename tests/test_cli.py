@@ -38,7 +38,7 @@ def test_bench_rejects_unknown_op_names_before_the_gpu_check(tmp_path):
     nothing measured or written."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "bench"
-    done = subprocess.run([sys.executable, "-m", "tigon_cli", "bench", "rms_norm", "no_such_op", "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "tigon", "bench", "rms_norm", "no_such_op", "--out", str(out)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "tigon bench: error: argument op: invalid choice: 'no_such_op'" in done.stderr
@@ -80,7 +80,7 @@ def test_demo_trains_both_models_alike(tmp_path):
     import json
 
     out = tmp_path / "demo"
-    done = subprocess.run([sys.executable, "-m", "tigon_cli", "demo", "--quick", "--steps", "3", "--no-progress",
+    done = subprocess.run([sys.executable, "-m", "tigon", "demo", "--quick", "--steps", "3", "--no-progress",
                            "--device", DEVICE, "--out", str(out)], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "HF + tigon" in done.stdout

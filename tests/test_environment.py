@@ -24,7 +24,33 @@ def test_interpreter_switched_on_after_triton_was_imported_is_a_clear_error():
               "    print('RuntimeError:', e)\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert "RuntimeError: TRITON_INTERPRET=1 was set after triton had been imported" in out.stdout, out.stderr[-2000:]
+    assert ("RuntimeError: Triton's interpreter was turned on (TRITON_INTERPRET=1) after triton had been imported"
+            in out.stdout), out.stderr[-2000:]
+    assert "import tigon before transformers and triton" in out.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the switch is for machines without a GPU")
+@pytest.mark.parametrize("given", [None, "0", "1"])
+def test_importing_tigon_without_a_gpu_turns_the_interpreter_on_unless_the_user_chose(given):
+    """No TRITON_INTERPRET and no GPU: importing tigon sets it, and a kernel runs (interpreted)
+    in a script that sets nothing. A value the user gave is kept either way."""
+    script = ("import os, torch, tigon\n"
+              "print('TRITON_INTERPRET', os.environ.get('TRITON_INTERPRET'))\n"
+              "x = torch.randn(3, 8, requires_grad=True)\n"
+              "y = tigon.functional.rms_norm(x, torch.ones(8))\n"
+              "y.sum().backward()\n"
+              "ref = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)\n"
+              "print('max error', (y - ref).abs().max().item())\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if given is not None:
+        env["TRITON_INTERPRET"] = given
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert f"TRITON_INTERPRET {given or '1'}" in out.stdout, out.stderr[-2000:]
+    if given == "0":  # no interpreter, no GPU: the kernel cannot run, and the error says how to run it
+        assert out.returncode != 0 and "is on the CPU" in out.stderr and "TRITON_INTERPRET=1" in out.stderr
+    else:
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert float(out.stdout.split("max error")[1]) < 1e-5
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "swiglu", "cross_entropy", "rope"])

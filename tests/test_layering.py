@@ -9,14 +9,14 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Lowest first. A module may import its own layer and the layers below; a name matches its
 # package and everything under it (the longest listed prefix decides).
 LAYERS = (
-    ("tigon.ambient", "tigon.sizes", "tigon.shapes", "tigon.reference"),
+    ("tigon.ambient", "tigon.sizes", "tigon.shapes", "tigon.reference", "tigon.extras"),
     ("tigon.ops",),
     ("tigon.functional", "tigon.nn"),
     ("tigon.losses",),
-    ("tigon.hf_model", "tigon.patching"),
+    ("tigon.hf_model", "tigon.patching", "tigon.tiny_models"),
     ("tigon.planning",),
-    ("tigon.api", "tigon.auto", "tigon.torchtune", "tigon.torchtune_recipe"),
-    ("tigon.bench", "tigon.demo", "tigon.cli", "tigon"),
+    ("tigon.api", "tigon.auto", "tigon.torchtune", "tigon.torchtune_recipe", "tigon.compat"),
+    ("tigon.bench", "tigon.demo", "tigon.doctor", "tigon.cli", "tigon"),
 )
 
 

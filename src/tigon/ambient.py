@@ -126,3 +126,16 @@ def queue_label_check(stats, n_classes, ignore_index) -> None:
     if len(_PENDING_LABEL_CHECKS) > MAX_PENDING_LABEL_CHECKS:
         _PENDING_LABEL_CHECKS[0][0].synchronize()
         resolve_label_checks()
+
+
+def interpret_kernels_without_gpu() -> None:
+    """Turn on Triton's interpreter (``TRITON_INTERPRET=1``) when torch sees no CUDA GPU and the
+    user has not set the variable either way. Triton reads it when each kernel is defined, so
+    this runs before tigon defines any (first thing in ``tigon/__init__``); Triton's own library
+    is defined when triton is first imported, so it works only when tigon comes before triton
+    (transformers imports it): otherwise the first kernel call says so (ops._common.check_tensor).
+    Without a GPU the interpreter is the only way a Triton kernel runs: slow (numpy), exact, and
+    what the tests use on the CPU."""
+    if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tigon.api import patch
+from tigon.extras import require_extra
 from tigon.patching import PATCH_OPTION_NAMES
 
 
@@ -23,6 +24,7 @@ class AutoModelForCausalLM:
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
+        require_extra("hf", "tigon.AutoModelForCausalLM")
         from transformers import AutoModelForCausalLM as HFAuto
 
         options, kwargs = _split(kwargs)
@@ -30,6 +32,7 @@ class AutoModelForCausalLM:
 
     @classmethod
     def from_config(cls, config, **kwargs):
+        require_extra("hf", "tigon.AutoModelForCausalLM")
         from transformers import AutoModelForCausalLM as HFAuto
 
         options, kwargs = _split(kwargs)

@@ -1,17 +1,18 @@
-"""The ``tigon`` command: ``tigon env``, ``tigon demo``, ``tigon bench``, ``tigon plan``, ``tigon --version``.
+"""The ``tigon`` command: ``tigon env``, ``tigon demo``, ``tigon bench``, ``tigon plan``, ``tigon doctor``,
+``tigon --version``.
 
-Without a CUDA GPU, tigon's Triton kernels can only run in Triton's interpreter, which Triton
-reads from TRITON_INTERPRET when it is first imported; the console script (``tigon_cli``) sets
-it before tigon, and so triton, is imported.
+Without a CUDA GPU, tigon's Triton kernels can only run in Triton's interpreter; importing tigon
+turns it on there (tigon.ambient.interpret_kernels_without_gpu) unless TRITON_INTERPRET is set.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
+
+from tigon.extras import MissingExtra, require_extra
 
 
 def _cuda_available() -> bool:
@@ -20,40 +21,26 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _version(name: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def env_report() -> str:
-    cuda = _cuda_available()
-    import torch
-    import triton
+    """``tigon env``: tigon.doctor.environment() (the one owner of these facts) as lines."""
+    from tigon.doctor import environment
 
-    from tigon.ops._common import interpreter_enabled
-
-    lines = [f"python        {platform.python_version()} ({sys.executable})"]
-    for name in ("tigon", "torch", "triton", "transformers", "trl", "peft", "liger-kernel", "cut-cross-entropy",
-                 "matplotlib"):
-        lines.append(f"{name:13s} {_version(name) or 'not installed'}")
-    if cuda:
-        props = torch.cuda.get_device_properties(0)
-        lines.append(f"GPU           {props.name}, {props.total_memory / 2**30:.0f} GiB, compute capability "
-                     f"{props.major}.{props.minor}, {torch.cuda.device_count()} device(s), CUDA {torch.version.cuda}")
+    env = environment()
+    lines = [f"python        {env['python']} ({env['executable']})"]
+    versions = {name: env[name] for name in ("tigon", "torch", "triton", "transformers")} | env["packages"]
+    lines += [f"{name:13s} {version or 'not installed'}" for name, version in versions.items()]
+    if env["gpu"]:
+        lines.append(f"GPU           {env['gpu']}, {env['gpu_memory_gib']:.0f} GiB, compute capability "
+                     f"{env['capability']}, {env['gpus']} device(s), CUDA {env['cuda']}")
     else:
         lines.append("GPU           none visible to torch")
-    if interpreter_enabled():
-        lines.append("kernels       interpreted by Triton on the CPU (TRITON_INTERPRET=1): correct, slow; "
-                     "for tests and the CPU demo")
-    elif cuda:
-        lines.append(f"kernels       compiled by Triton {triton.__version__} for the GPU")
-    else:
-        lines.append("kernels       cannot run: no GPU and Triton's interpreter is off (set TRITON_INTERPRET=1 "
-                     "before importing tigon)")
+    lines.append({
+        "interpreted": "kernels       interpreted by Triton on the CPU (TRITON_INTERPRET=1): correct, slow; "
+                       "for tests and the CPU demo",
+        "compiled": f"kernels       compiled by Triton {env['triton']} for the GPU",
+        "cannot run": "kernels       cannot run: no GPU and Triton's interpreter is off (TRITON_INTERPRET=0; "
+                      "unset it, or set it to 1)",
+    }[env["kernels"]])
     return "\n".join(lines)
 
 
@@ -204,7 +191,20 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                            "(default: the recommended one)")
     plan.add_argument("--no-tigon", action="store_true", help="plain HF only")
     plan.add_argument("--json", metavar="PATH", type=_output_file, help="also write the numbers as JSON")
-    return parser, dict(env=env, demo=demo, bench=bench, plan=plan)
+    doctor_help = ("check tigon on this machine: every op against float64, its speed vs torch eager and "
+                   "torch.compile (GPU), one training step of a tiny model of each family")
+    doctor = sub.add_parser("doctor", help=doctor_help, description=doctor_help + "; exit status 0 when all pass")
+    doctor.add_argument("--ops", nargs="+", metavar="OP",
+                        help=f"ops to check (default: all; 'none': no op): {', '.join(OP_NAMES)}")
+    doctor.add_argument("--families", nargs="+", metavar="FAMILY",
+                        help="family rows to patch and train a step (names of tigon.FAMILIES; default: all; "
+                             "'none': no family)")
+    doctor.add_argument("--no-compile", action="store_true",
+                        help="time tigon against torch eager only, not torch.compile (saves its compiles)")
+    doctor.add_argument("--json", metavar="PATH", type=lambda text: text if text == "-" else _output_file(text),
+                        help="also write everything (versions included) as JSON, for bug reports ('-': stdout)")
+    doctor.add_argument("--no-progress", action="store_true")
+    return parser, dict(env=env, demo=demo, bench=bench, plan=plan, doctor=doctor)
 
 
 def main(argv=None) -> int:
@@ -214,6 +214,9 @@ def main(argv=None) -> int:
         return _COMMANDS[args.command](args)
     except BadArgument as exc:  # the one place a bad argument found after parsing becomes exit status 2
         commands[args.command].error(str(exc))
+    except MissingExtra as exc:  # one line naming the extra to install, not a traceback
+        print(f"{commands[args.command].prog}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 def _env(args) -> int:
@@ -224,6 +227,7 @@ def _env(args) -> int:
 def _demo(args) -> int:
     if args.device == "cuda" and not _cuda_available():
         raise BadArgument("--device", "torch sees no CUDA GPU here; use --device cpu, or leave --device out")
+    require_extra("demo", "tigon demo")
     from tigon.demo import run_demo
 
     run_demo(args.out, steps=args.steps, quick=args.quick, device=args.device, progress=not args.no_progress)
@@ -284,6 +288,7 @@ def _plan(args) -> int:
 
     import torch
 
+    require_extra("hf", "tigon plan")
     from tigon.planning import default_gpu_memory, plan
     from tigon.sizes import parse_bytes
 
@@ -302,7 +307,27 @@ def _plan(args) -> int:
     return 0
 
 
-_COMMANDS = dict(env=_env, demo=_demo, bench=_bench, plan=_plan)
+def _doctor(args) -> int:
+    from tigon import doctor
+    from tigon.bench.cases import OP_NAMES
+    from tigon.patching import FAMILIES
+
+    # Before any work: a typo is reported at once, as argparse reports a bad value.
+    for flag, names, known, what in (("--ops", args.ops, OP_NAMES, "op"),
+                                     ("--families", args.families, FAMILIES, "family")):
+        try:
+            doctor.choose(names, list(known), what)
+        except ValueError as exc:
+            raise BadArgument(flag, str(exc)) from None
+    try:
+        return doctor.main(args.ops, args.families, compile=not args.no_compile, json_path=args.json,
+                           progress=not args.no_progress)
+    except doctor.CannotRun as exc:
+        print(f"tigon doctor: {exc}", file=sys.stderr)
+        return 2
+
+
+_COMMANDS = dict(env=_env, demo=_demo, bench=_bench, plan=_plan, doctor=_doctor)
 
 
 def _trace_progress(searching: bool):

@@ -25,6 +25,7 @@ from torch import nn
 from tigon import ambient
 from tigon import functional as TF
 from tigon.ambient import deferred_label_checks, thread_flag
+from tigon.extras import require_extra
 from tigon.ops.glu_mlp import gated_mlp
 from tigon.patching.mlp import identify_activation
 
@@ -38,10 +39,9 @@ def _bind(fn, module):
 
 
 def _torchtune_modules():
-    try:
-        from torchtune.modules import FeedForward, TiedLinear, TransformerDecoder
-    except ImportError as exc:
-        raise ImportError("tigon.torchtune needs torchtune: pip install 'tigon[torchtune]'") from exc
+    require_extra("torchtune", "tigon.torchtune")
+    from torchtune.modules import FeedForward, TiedLinear, TransformerDecoder
+
     return FeedForward, TiedLinear, TransformerDecoder
 
 
@@ -232,7 +232,7 @@ class FusedLinearCrossEntropyLoss(nn.Module):
     without forming the logits (tigon.functional.fused_linear_cross_entropy); the mean over the
     tokens whose label is not ``ignore_index``, as torchtune's CEWithChunkedOutputLoss and
     nn.CrossEntropyLoss. Called as the recipes call their loss: ``loss(hidden, labels)`` with
-    hidden [b, s, d] or [b*s, d] (or a list of chunks along s) and labels [b, s] or [b*s].
+    hidden [b, s, d] or [b * s, d] (or a list of chunks along s) and labels [b, s] or [b * s].
     ``num_output_chunks`` is kept for recipes that read it; tigon chunks by its own budget
     (``chunk_budget`` bytes of logits)."""
 

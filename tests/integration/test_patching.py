@@ -1,6 +1,7 @@
 """Convergence of patched HF models against the same models unpatched, for every family row.
 
-Tiny random configs (vocab 1000, hidden 64, 2 layers), fp32, built offline. The reference
+Tiny random configs (tigon.tiny_models: vocab 1000, hidden 64, 2 layers on the CPU), fp32, built
+offline; a family's config options are tigon.tiny_models.extra_options. The reference
 (HF's own code) runs on a copy that is never patched: patching one instance leaves every
 other model alone.
 """
@@ -13,82 +14,15 @@ import torch
 
 import tigon
 from tests.helpers import DEVICE, pick
+from tigon import tiny_models
 from tigon.patching import FAMILIES, Family, TigonPatchError, apply_family
+from tigon.tiny_models import SIZES
 
 transformers = pytest.importorskip("transformers")
-from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
 
-SIZE = pick(cpu=dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=16),
-            gpu=dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
-                     num_attention_heads=8, num_key_value_heads=4, head_dim=64))
+SIZE = SIZES[pick(cpu="tiny", gpu="small")]
 BATCH, SEQ = pick(cpu=(2, 8), gpu=(4, 256))
-# Layer kinds in turn, one a layer (SIZE's layer count is even).
-LINEAR_FULL = ["linear_attention", "full_attention"] * (SIZE["num_hidden_layers"] // 2)
-SLIDING_FULL = ["sliding_attention", "full_attention"] * (SIZE["num_hidden_layers"] // 2)
-# What a tiny model of each family needs beyond SIZE (the options each family's patch handles).
-EXTRA = {
-    # The experts' intermediate size small, as the other MoE rows' (each column tile of tigon's
-    # fused experts op costs interpreter time).
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, output_router_logits=True,
-                    router_aux_loss_coef=0.1),
-    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1],
-                      output_router_logits=True, router_aux_loss_coef=0.1),
-    "gemma2": dict(final_logit_softcapping=30.0, sliding_window=8),
-    "gemma3_text": dict(final_logit_softcapping=30.0, sliding_window=8),
-    "granite": dict(logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.25),
-    "phi3": dict(partial_rotary_factor=0.5, pad_token_id=0),
-    "glm4": dict(partial_rotary_factor=0.5, pad_token_id=0),
-    "smollm3": dict(pad_token_id=0),
-    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=64,
-                      output_router_logits=True, router_aux_loss_coef=0.1),
-    "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
-                     n_group=1, topk_group=1, pad_token_id=0),
-    "seed_oss": dict(attention_dropout=0.0, residual_dropout=0.0),  # dropout draws differ between runs
-    "llama4_text": dict(intermediate_size_mlp=128, num_local_experts=2, interleave_moe_layer_step=2,
-                        no_rope_layer_interval=2, attention_chunk_size=8, pad_token_id=0),
-    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "sliding_window": 8,
-                "output_router_logits": True, "router_aux_loss_coef": 0.1},
-    "qwen3_next": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                   "shared_expert_intermediate_size": 64, "layer_types": LINEAR_FULL,
-                   "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
-                   "linear_value_head_dim": 8, "partial_rotary_factor": 0.5, "output_router_logits": True,
-                   "router_aux_loss_coef": 0.1},
-    "qwen3_5_text": {"layer_types": LINEAR_FULL, "linear_num_key_heads": 2,
-                     "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8},
-    "qwen3_5_moe_text": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                         "shared_expert_intermediate_size": 64, "layer_types": LINEAR_FULL,
-                         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
-                         "linear_value_head_dim": 8, "output_router_logits": True, "router_aux_loss_coef": 0.1},
-    "hunyuan_v1_moe": {"num_experts": 4, "moe_topk": 2, "intermediate_size": 32},
-    # MLA: head_dim is the rotary part; every head has its own k and v.
-    "deepseek_v2": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
-                    "first_k_dense_replace": 1, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8,
-                    "qk_nope_head_dim": 16, "v_head_dim": 16, "head_dim": 8,
-                    "num_key_value_heads": SIZE["num_attention_heads"]},
-    "deepseek_v3": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
-                    "first_k_dense_replace": 1, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8,
-                    "qk_nope_head_dim": 16, "v_head_dim": 16, "head_dim": 8,
-                    "num_key_value_heads": SIZE["num_attention_heads"], "n_group": 1,
-                    "topk_group": 1},
-    "falcon_h1": {"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_chunk_size": 8,
-                  "mlp_multipliers": [0.5, 2.0], "lm_head_multiplier": 0.5, "embedding_multiplier": 2.0},
-    "nemotron_h": {"num_hidden_layers": 4, "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 16,
-                   "n_groups": 1, "chunk_size": 8, "n_routed_experts": 4, "moe_intermediate_size": 32,
-                   "moe_shared_expert_intermediate_size": 32},
-    # Layer 0 sparsifies its MLP's gate (activation_sparsity_pattern), as the first layers of Gemma 3n do.
-    "gemma3n_text": {"vocab_size_per_layer_input": SIZE["vocab_size"], "hidden_size_per_layer_input": 8,
-                     "num_kv_shared_layers": 0, "laurel_rank": 8, "altup_num_inputs": 2, "sliding_window": 8,
-                     "layer_types": SLIDING_FULL,
-                     "activation_sparsity_pattern": [0.95] + [0.0] * (SIZE["num_hidden_layers"] - 1)},
-    # Per-layer inputs; the full-attention layer's wider heads with proportional RoPE (a quarter rotated).
-    # Its MoE block, k = v, shared KV and double-wide MLP: tests/integration/test_patching_forms.py.
-    # (Gemma 4 looks every token up in the per-layer table: vocab_size_per_layer_input is the vocab.)
-    "gemma4_text": {"vocab_size_per_layer_input": SIZE["vocab_size"], "hidden_size_per_layer_input": 8,
-                    "sliding_window": 8, "global_head_dim": 2 * SIZE["head_dim"], "final_logit_softcapping": 30.0,
-                    "layer_types": SLIDING_FULL},
-}
 # Text rows (vision-language rows: tests/integration/test_patching_vlm.py)
 MODEL_TYPES = [t for f in FAMILIES.values() if f.causal_lm and not f.conditional_generation for t in f.model_types]
 STEPS = 2
@@ -102,19 +36,16 @@ def _unpatched_after():
 
 
 def tiny_model(model_type, **overrides):
-    if model_type not in CONFIG_MAPPING:  # a family newer than the installed transformers
-        pytest.skip(f"transformers {transformers.__version__} has no model type {model_type!r}")
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(model_type, **{**SIZE, **EXTRA.get(model_type, {}), **overrides})
-    return AutoModelForCausalLM.from_config(config).to(DEVICE)
+    """tigon.tiny_models.tiny_model at the test size on DEVICE; skipped where this transformers
+    cannot build the model type."""
+    try:
+        return tiny_models.tiny_model(model_type, SIZE, DEVICE, **overrides)
+    except tiny_models.ModelUnavailable as exc:
+        pytest.skip(str(exc))
 
 
 def batch(vocab):
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
-    labels = ids.clone()
-    labels[0, : SEQ // 3] = -100  # a masked prompt
-    return ids.to(DEVICE), labels.to(DEVICE)
+    return tiny_models.text_batch(vocab, BATCH, SEQ, DEVICE)
 
 
 def train(model, ids, labels, steps=STEPS, **forward_kwargs):

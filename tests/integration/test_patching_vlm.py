@@ -1,11 +1,11 @@
 """Convergence of patched HF vision-language models against the same models unpatched, per
 vision-language row of the family table: image+text batches (image tokens in input_ids, their
-labels -100), tiny random configs (1 text layer, a 1-layer vision tower, 2x2-pixel patches),
-fp32, built offline. A family whose classes this transformers lacks is skipped with the reason.
+labels -100), tiny random configs (tigon.tiny_models.VLM_CASES: 1 text layer, a 1-layer vision
+tower, 2x2-pixel patches), fp32, built offline. A family whose classes this transformers lacks is
+skipped with the reason.
 """
 
 import copy
-import inspect
 
 import pytest
 import torch
@@ -13,146 +13,13 @@ import torch
 import tigon
 from tests.helpers import DEVICE
 from tests.integration.test_patching import FLOOR, SPREAD_FACTOR, assert_trains_like, float64_copy, rel, train
+from tigon import tiny_models
 from tigon.patching import BY_MODEL_TYPE, FAMILIES, TigonPatchError
+from tigon.tiny_models import VLM_CASES
 
 transformers = pytest.importorskip("transformers")
-from transformers import AutoConfig  # noqa: E402
 
-VOCAB, IMAGE = 256, 250  # the image token inside the vocabulary; 251-255 other special tokens
-TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-SPECIAL_TOKENS = dict(image_token_id=IMAGE, image_token_index=IMAGE, video_token_id=251, vision_start_token_id=252,
-                      vision_end_token_id=253, boi_token_index=254, eoi_token_index=255)
-BATCH, SEQ, START = 2, 12, 2  # image tokens from position START of each row
-MROPE = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])  # 8 frequencies of head dim 16
-QWEN_VISION = dict(depth=1, num_heads=2, patch_size=2, spatial_merge_size=2, temporal_patch_size=2)
-SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=8,
-              patch_size=2)
-
-
-def _grid_inputs(cfg, grid=(1, 2, 4)):
-    """Qwen-VL / GLM-4V: each row's image as patches [t h w, C tp p p] and its grid (t, h, w)."""
-    v = cfg.vision_config
-    t, h, w = grid
-    pixels = torch.randn(BATCH * t * h * w, 3 * v.temporal_patch_size * v.patch_size**2,
-                         generator=torch.Generator().manual_seed(2))
-    inputs = dict(pixel_values=pixels, image_grid_thw=torch.tensor([grid] * BATCH))
-    return (t * h * w) // v.spatial_merge_size**2, inputs
-
-
-def _image_inputs(n_tokens, size=8, tiles=None, **extra):
-    """One [3, size, size] image per row ([tiles, 3, size, size] when given), filling n_tokens image tokens."""
-    def make(cfg):
-        shape = (BATCH, 3, size, size) if tiles is None else (BATCH, tiles, 3, size, size)
-        pixels = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
-        return n_tokens, dict(pixel_values=pixels, **extra)
-    return make
-
-
-# model_type -> (config keywords, inputs(config) -> (image tokens per row, model inputs besides ids))
-CASES = {
-    "qwen2_vl": (dict(text_config=dict(TEXT, rope_parameters=MROPE),
-                      vision_config=dict(QWEN_VISION, embed_dim=32, hidden_size=64, mlp_ratio=2)), _grid_inputs),
-    "qwen2_5_vl": (dict(text_config=dict(TEXT, rope_parameters=MROPE),
-                        vision_config=dict(QWEN_VISION, hidden_size=32, intermediate_size=64, out_hidden_size=64,
-                                           window_size=8, fullatt_block_indexes=[0])), _grid_inputs),
-    "qwen3_vl": (dict(text_config=dict(TEXT, rope_parameters=dict(MROPE, mrope_section=[4, 2, 2])),
-                      vision_config=dict(QWEN_VISION, hidden_size=32, intermediate_size=64, out_hidden_size=64,
-                                         num_position_embeddings=16, deepstack_visual_indexes=[0])), _grid_inputs),
-    "qwen3_vl_moe": (dict(text_config=dict(TEXT, rope_parameters=dict(MROPE, mrope_section=[4, 2, 2]), num_experts=4,
-                                           num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
-                          vision_config=dict(QWEN_VISION, hidden_size=32, intermediate_size=64, out_hidden_size=64,
-                                             num_position_embeddings=16, deepstack_visual_indexes=[0])), _grid_inputs),
-    "glm4v": (dict(text_config=dict(TEXT, rope_parameters=dict(MROPE, mrope_section=[1, 1, 2],
-                                                               partial_rotary_factor=0.5)),
-                   vision_config=dict(QWEN_VISION, hidden_size=32, intermediate_size=64, out_hidden_size=64,
-                                      image_size=8)), _grid_inputs),
-    "glm4v_moe": (dict(text_config=dict(TEXT, rope_parameters=dict(MROPE, mrope_section=[1, 1, 2],
-                                                                   partial_rotary_factor=0.5),
-                                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                        first_k_dense_replace=0, n_group=1, topk_group=1),
-                       vision_config=dict(QWEN_VISION, hidden_size=32, intermediate_size=64, out_hidden_size=64,
-                                          image_size=8)), _grid_inputs),
-    "gemma3": (dict(text_config=dict(TEXT, sliding_window=8), vision_config=SIGLIP, mm_tokens_per_image=4),
-               None),  # inputs: below (token_type_ids)
-    "paligemma": (dict(text_config=dict(TEXT, model_type="gemma2", final_logit_softcapping=30.0),
-                       vision_config=dict(SIGLIP, image_size=4), projection_dim=64), None),
-    "llava": (dict(text_config=dict(TEXT, model_type="qwen2"),
-                   vision_config=dict(SIGLIP, model_type="clip_vision_model", image_size=4, projection_dim=64),
-                   vision_feature_layer=-1), _image_inputs(4, size=4)),
-    "internvl": (dict(text_config=dict(TEXT, model_type="qwen2"),
-                      vision_config=dict(SIGLIP, image_size=[8, 8], patch_size=[2, 2], use_qk_norm=True),
-                      vision_feature_layer=-1), _image_inputs(4)),
-    "mistral3": (dict(text_config=dict(TEXT, model_type="mistral"),
-                      vision_config=dict(SIGLIP, head_dim=16), vision_feature_layer=-1, spatial_merge_size=2),
-                 _image_inputs(4, image_sizes=torch.tensor([[8, 8]] * BATCH))),
-    "smolvlm": (dict(text_config=dict(TEXT, model_type="llama"), vision_config=dict(SIGLIP), scale_factor=2),
-                _image_inputs(4, tiles=1)),
-    "idefics3": (dict(text_config=dict(TEXT, model_type="llama"), vision_config=dict(SIGLIP), scale_factor=2),
-                 _image_inputs(4, tiles=1)),
-    "llama4": (dict(text_config=dict(TEXT, intermediate_size_mlp=128, num_local_experts=2, interleave_moe_layer_step=2,
-                                     no_rope_layer_interval=4, attention_chunk_size=64),
-                    vision_config=dict(SIGLIP, intermediate_size=128, vision_output_dim=32, projector_input_dim=32,
-                                       projector_output_dim=32,
-                                       pixel_shuffle_ratio=0.5)), _image_inputs(4)),
-}
-
-
-def _token_type_inputs(n_tokens, size=8):
-    """Gemma 3 / PaliGemma: token_type_ids 1 at the image tokens (attended bidirectionally)."""
-    def make(cfg):
-        _, extra = _image_inputs(n_tokens, size)(cfg)
-        types = torch.zeros(BATCH, SEQ, dtype=torch.long)
-        types[:, START:START + n_tokens] = 1
-        return n_tokens, dict(extra, token_type_ids=types)
-    return make
-
-
-CASES["gemma3"] = (CASES["gemma3"][0], _token_type_inputs(4))
-
-
-def _mllama_inputs(cfg):
-    """Mllama: one image token a row, its image as 2 tiles (aspect ratio 1 x 2) that the text from
-    the image token on cross-attends to."""
-    pixels = torch.randn(BATCH, 1, 2, 3, 8, 8, generator=torch.Generator().manual_seed(2))
-    cross = torch.zeros(BATCH, SEQ, 1, 2, dtype=torch.long)
-    cross[:, START:] = 1
-    return 1, dict(pixel_values=pixels, aspect_ratio_ids=torch.full((BATCH, 1), 2),
-                   aspect_ratio_mask=torch.ones(BATCH, 1, 2, dtype=torch.long), cross_attention_mask=cross)
-
-
-# A self-attention layer, then a cross-attention one; a 1-layer tower (and 1 global layer) of 2 tiles.
-CASES["mllama"] = (dict(text_config=dict(TEXT, num_hidden_layers=2, cross_attention_layers=[1]),
-                        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                           num_global_layers=1, attention_heads=2, image_size=8, patch_size=2,
-                                           max_num_tiles=2, supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]],
-                                           intermediate_layers_indices=[0], vision_output_dim=64)),
-                   _mllama_inputs)
-CASES["paligemma"] = (CASES["paligemma"][0], _token_type_inputs(4, size=4))
-
-
-def _gemma4_inputs(cfg, grid=4):
-    """Gemma 4: each row's image as grid x grid patches [grid², 3 p p] with their (x, y)
-    positions, pooled k x k into grid² / k² image tokens, attended bidirectionally in the
-    sliding layers (mm_token_type_ids 1 at the image tokens)."""
-    v = cfg.vision_config
-    n_tokens = grid**2 // v.pooling_kernel_size**2
-    pixels = torch.randn(BATCH, grid**2, 3 * v.patch_size**2, generator=torch.Generator().manual_seed(2))
-    xy = torch.stack(torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="xy"), -1).reshape(-1, 2)
-    types = torch.zeros(BATCH, SEQ, dtype=torch.long)
-    types[:, START:START + n_tokens] = 1
-    positions = xy.expand(BATCH, -1, -1)
-    return n_tokens, {"pixel_values": pixels, "image_position_ids": positions, "mm_token_type_ids": types}
-
-
-CASES["gemma4"] = (
-    {"text_config": {**TEXT, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"],
-                     "sliding_window": 8, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB,
-                     "global_head_dim": 32, "final_logit_softcapping": 30.0, "use_bidirectional_attention": "vision"},
-     "vision_config": {**SIGLIP, "num_key_value_heads": 2, "head_dim": 16, "pooling_kernel_size": 2,
-                       "position_embedding_size": 16},
-     "audio_config": None},
-    _gemma4_inputs)
+CASES = VLM_CASES
 VLM_ROWS = [f for f in FAMILIES.values() if f.conditional_generation]
 # Rows without a training case yet (their model needs inputs this file does not build).
 NO_CASE = {}
@@ -166,37 +33,15 @@ def _unpatched_after():
 
 
 def tiny_vlm(model_type):
-    """A tiny random model of ``model_type`` (skips when this transformers lacks its family)."""
-    family = BY_MODEL_TYPE[model_type]
+    """tigon.tiny_models.tiny_vlm on DEVICE; skipped when this transformers lacks the family."""
     try:
-        modeling = __import__(family.module, fromlist=["_"])
-    except ImportError:
-        pytest.skip(f"transformers {transformers.__version__} has no {family.module}")
-    cls = getattr(modeling, family.conditional_generation, None)
-    if cls is None:
-        pytest.skip(f"transformers {transformers.__version__} has no {family.conditional_generation}")
-    overrides, _ = CASES[model_type]
-    config = AutoConfig.for_model(model_type, **overrides)
-    for name, value in SPECIAL_TOKENS.items():
-        if hasattr(config, name):
-            setattr(config, name, value)
-    torch.manual_seed(0)
-    return cls(config).to(DEVICE)
+        return tiny_models.tiny_vlm(model_type, DEVICE)
+    except tiny_models.ModelUnavailable as exc:
+        pytest.skip(str(exc))
 
 
 def vlm_batch(model):
-    """(input_ids, labels, image inputs): one image per row at START, labels -100 there (as a
-    processor's collator sets them) and on the first prompt token of row 0."""
-    n_tokens, extra = CASES[model.config.model_type][1](model.config)
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 240, (BATCH, SEQ), generator=gen)
-    ids[:, START:START + n_tokens] = IMAGE
-    labels = ids.masked_fill(ids == IMAGE, -100)
-    labels[0, 0] = -100
-    params = inspect.signature(type(model).forward).parameters
-    if "mm_token_type_ids" in params and "image_grid_thw" in extra:  # Qwen-VL: which tokens are the image's
-        extra["mm_token_type_ids"] = (ids == IMAGE).int()
-    return ids.to(DEVICE), labels.to(DEVICE), {k: v.to(DEVICE) for k, v in extra.items()}
+    return tiny_models.vlm_batch(model, DEVICE)
 
 
 def split_zero_gradients(*runs):

@@ -88,7 +88,9 @@ def fused_linear_jsd(student_x, student_weight, teacher_x, teacher_weight, targe
 def jsd_loss(student_logits, teacher_logits, target=None, *, beta=0.5, temperature=1.0, ignore_index=-100,
              chunk_rows=None, chunk_budget=None):
     """Generalised JSD over logits [..., V] that already exist (fp32 math a chunk of rows at a
-    time; chunk_budget counts its fp32 temporaries). For log-probabilities, see TigonJSD."""
+    time; chunk_budget counts its fp32 temporaries), averaged over the rows whose target [...] is
+    not ignore_index (every row without a target). Returns the loss alone, an fp32 scalar (no
+    metrics). For log-probabilities, see TigonJSD."""
     check_jsd_options(beta, temperature)
     beta, temperature = float(beta), float(temperature)  # see plain_numbers
     s, t = student_logits.reshape(-1, student_logits.shape[-1]), teacher_logits.reshape(-1, teacher_logits.shape[-1])

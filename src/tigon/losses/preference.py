@@ -294,6 +294,10 @@ def simpo_loss(x, weight, target, bias=None, *, beta=2.0, gamma=0.5, label_smoot
 
 
 class TigonDPOLoss(LossModule):
+    """``loss, metrics = module(x, weight, target, bias=None, **overrides)``: dpo_loss with the
+    options given at construction (``TigonDPOLoss(beta=0.1, loss_type="sigmoid", ...)``); x
+    [2B, T, H] (B chosen sequences, then their B rejected ones), weight [V, H], target [2B, T]."""
+
     fn = staticmethod(dpo_loss)
 
 
@@ -307,10 +311,18 @@ class TigonORPOLoss(LossModule):
 
 
 class TigonCPOLoss(LossModule):
+    """``loss, metrics = module(x, weight, target, bias=None, **overrides)``: cpo_loss with the
+    options given at construction; x [2B, T, H] (chosen, then rejected), weight [V, H], target
+    [2B, T]."""
+
     fn = staticmethod(cpo_loss)
 
 
 class TigonSimPOLoss(LossModule):
+    """``loss, metrics = module(x, weight, target, bias=None, **overrides)``: simpo_loss with the
+    options given at construction; x [2B, T, H] (chosen, then rejected), weight [V, H], target
+    [2B, T]."""
+
     fn = staticmethod(simpo_loss)
 
 
@@ -359,6 +371,10 @@ def kto_loss(x, weight, target, preference_labels, bias=None, *, beta=0.1, desir
 
 
 class TigonKTOLoss(LossModule):
+    """``loss, metrics = module(x, weight, target, preference_labels, bias=None, **overrides)``:
+    kto_loss with the options given at construction; x [N, T, H], weight [V, H], target [N, T],
+    preference_labels [N] bool (True: desirable)."""
+
     fn = staticmethod(kto_loss)
 
     def forward(self, x, weight, target, preference_labels, bias=None, **kwargs):

@@ -227,15 +227,16 @@ def check_tensor(name: str, t, *, ndim=None, min_ndim=None, floating=True) -> No
     if t.device.type == "cpu" and interpreter_enabled():
         if triton_imported_before_interpreter():
             raise RuntimeError(
-                "TRITON_INTERPRET=1 was set after triton had been imported (transformers, for one, imports "
-                "it), so Triton's own functions are compiled code and its interpreter cannot run tigon's "
-                "kernels: set TRITON_INTERPRET=1 in the shell, or before the first import of torch, "
-                "transformers or triton")
+                "Triton's interpreter was turned on (TRITON_INTERPRET=1) after triton had been imported "
+                "(transformers, for one, imports it), so Triton's own functions are compiled code and the "
+                "interpreter cannot run tigon's kernels: import tigon before transformers and triton (it "
+                "turns the interpreter on when there is no GPU), or set TRITON_INTERPRET=1 in the shell")
         return
     if t.device.type == "cpu":
         raise ValueError(
             f"{name} is on the CPU: tigon kernels run on CUDA tensors, or on CPU tensors only under "
-            "the Triton interpreter (set TRITON_INTERPRET=1 before importing triton)"
+            "Triton's interpreter (TRITON_INTERPRET=1 in the shell; with no GPU, importing tigon before "
+            "triton turns it on)"
         )
     raise ValueError(f"{name} is on device {t.device}; tigon kernels run on CUDA tensors")
 

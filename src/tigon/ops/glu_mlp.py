@@ -234,6 +234,9 @@ def _glu_mlp(x: Tensor, gate_weight: Tensor, up_weight: Tensor, down_weight: Ten
 # must find out when it runs whether the checkpoint is recomputing it, which a traced body
 # would decide once, at trace time.
 glu_mlp_op = kernel_op("tigon::glu_mlp", mutates_args=())(_glu_mlp)
+"""tigon::glu_mlp: (act(x Wg^T g) * (x Wu^T) d) Wd^T of x [..., H], gate and up weights [I, H], down
+weight [H, I], contiguous [..., H] in the matmul dtype; saves only x (gate and up are recomputed in
+the backward in column slices). Called through tigon.functional.glu_mlp."""
 glu_mlp_in_eager_checkpoint_op = custom_op("tigon::glu_mlp_in_eager_checkpoint", mutates_args=())(_glu_mlp)
 
 

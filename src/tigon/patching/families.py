@@ -214,5 +214,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                 "apply_multidimensional_rope stays HF's)",
            left_to_hf=(("swiglu", "Gemma4AudioFeedForward: not gated"),)),
 )}
+"""The families tigon patches, by name (``patch_<name>``): a Family row each, naming the Hugging Face
+modeling module, its classes and functions that the patch replaces, and what it leaves to HF."""
 
 BY_MODEL_TYPE: dict[str, Family] = {t: f for f in FAMILIES.values() for t in f.model_types}

@@ -11,6 +11,7 @@ import re
 
 from torch import nn
 
+from tigon.extras import require_extra
 from tigon.shapes import SHAPES, shape_config
 
 
@@ -35,8 +36,8 @@ def load_config(model_or_config):
     tigon.shapes (offline), a folder or config.json path, or a hub id ``namespace/name``
     (only its config.json is fetched; from the local cache when HF_HUB_OFFLINE is set or the
     hub does not answer). A name that gives no config raises ConfigError."""
+    require_extra("hf", "tigon's memory planner")
     from transformers import PretrainedConfig
-
 
     if isinstance(model_or_config, PretrainedConfig):
         return model_or_config

@@ -1,0 +1,140 @@
+"""Liger-Kernel 0.8.5's API on tigon: a migration layer.
+
+Replace ``liger_kernel`` by ``tigon.compat.liger`` in an import and the code runs on tigon's
+kernels: ``tigon.compat.liger.transformers`` is ``liger_kernel.transformers`` (the
+``apply_liger_kernel_to_<family>`` patch functions, ``_apply_liger_kernel_to_instance``,
+``AutoLigerKernelForCausalLM``, the ``Liger*`` modules), ``tigon.compat.liger.transformers.functional``
+its ``functional`` module, ``tigon.compat.liger.chunked_loss`` (and its ``functional``) the
+chunked post-training losses. The names of ``transformers`` and ``chunked_loss`` are also here,
+at the top: ``from tigon.compat.liger import apply_liger_kernel_to_llama``. (There is no
+``tigon.compat.liger.functional``: Liger's ``liger_kernel.functional`` is its kernel-backend
+dispatch layer, not an API this layer mirrors.)
+
+Liger's names keep Liger's signatures, keyword names and defaults, and Liger's semantics mapped
+onto ``tigon.patch`` / ``tigon.patching``, ``tigon.functional``, ``tigon.nn`` and
+``tigon.losses``; where tigon lacks an option (or a value of one) the call raises an error naming
+it. ``NAME_MAP`` (tigon.compat.liger.names) says for every name Liger exports what it runs on or
+why it is not provided; importing a name not provided raises ImportError with the reason.
+"""
+
+from tigon.compat.liger.chunked_loss import (
+    LigerFusedLinearCPOLoss,
+    LigerFusedLinearDPOLoss,
+    LigerFusedLinearGRPOLoss,
+    LigerFusedLinearJSDLoss,
+    LigerFusedLinearKTOLoss,
+    LigerFusedLinearORPOLoss,
+    LigerFusedLinearSimPOLoss,
+)
+from tigon.compat.liger.names import LIGER_VERSION, NAME_MAP, not_provided_getattr
+from tigon.compat.liger.transformers import (
+    AutoLigerKernelForCausalLM,
+    LigerBlockSparseTop2MLP,
+    LigerCrossEntropyLoss,
+    LigerDyT,
+    LigerExperts,
+    LigerFalconH1MLP,
+    LigerFalconH1SwiGLUMLP,
+    LigerFusedAddRMSNorm,
+    LigerFusedLinearCrossEntropyLoss,
+    LigerFusedLinearJSD,
+    LigerGEGLUMLP,
+    LigerGroupNorm,
+    LigerJSD,
+    LigerKLDIVLoss,
+    LigerLayerNorm,
+    LigerMLP,
+    LigerPhi3SwiGLUMLP,
+    LigerPolyNorm,
+    LigerQwen3MoeSwiGLUMLP,
+    LigerReLUSquared,
+    LigerRMSNorm,
+    LigerRMSNormForMuseGlimmer,
+    LigerRMSNormForMuseGlimmerTextCentered,
+    LigerSoftmax,
+    LigerSparsemax,
+    LigerSwiGLUMLP,
+    LigerSwiGLUMLPForMuseGlimmer,
+    LigerTiledGEGLUMLP,
+    LigerTiledSwiGLUMLP,
+    LigerTVDLoss,
+    LigerVocabParallelCrossEntropy,
+    _apply_liger_kernel,
+    _apply_liger_kernel_to_instance,
+    apply_liger_kernel_to_deepseek_v2,
+    apply_liger_kernel_to_deepseek_v3,
+    apply_liger_kernel_to_exaone4,
+    apply_liger_kernel_to_falcon_h1,
+    apply_liger_kernel_to_gemma,
+    apply_liger_kernel_to_gemma2,
+    apply_liger_kernel_to_gemma3,
+    apply_liger_kernel_to_gemma3_text,
+    apply_liger_kernel_to_gemma4,
+    apply_liger_kernel_to_gemma4_text,
+    apply_liger_kernel_to_glm4,
+    apply_liger_kernel_to_glm4v,
+    apply_liger_kernel_to_glm4v_moe,
+    apply_liger_kernel_to_gpt_oss,
+    apply_liger_kernel_to_granite,
+    apply_liger_kernel_to_hunyuan_v1_dense,
+    apply_liger_kernel_to_hunyuan_v1_moe,
+    apply_liger_kernel_to_internvl,
+    apply_liger_kernel_to_llama,
+    apply_liger_kernel_to_llama4,
+    apply_liger_kernel_to_llava,
+    apply_liger_kernel_to_ministral,
+    apply_liger_kernel_to_mistral,
+    apply_liger_kernel_to_mixtral,
+    apply_liger_kernel_to_mllama,
+    apply_liger_kernel_to_nemotron,
+    apply_liger_kernel_to_olmo2,
+    apply_liger_kernel_to_olmo3,
+    apply_liger_kernel_to_paligemma,
+    apply_liger_kernel_to_phi3,
+    apply_liger_kernel_to_pixtral,
+    apply_liger_kernel_to_qwen2,
+    apply_liger_kernel_to_qwen2_5_vl,
+    apply_liger_kernel_to_qwen2_vl,
+    apply_liger_kernel_to_qwen3,
+    apply_liger_kernel_to_qwen3_5,
+    apply_liger_kernel_to_qwen3_5_moe,
+    apply_liger_kernel_to_qwen3_moe,
+    apply_liger_kernel_to_qwen3_next,
+    apply_liger_kernel_to_qwen3_vl,
+    apply_liger_kernel_to_qwen3_vl_moe,
+    apply_liger_kernel_to_smollm3,
+    apply_liger_kernel_to_smolvlm,
+    is_transformers_available,
+    liger_llama4_text_rotary_pos_emb,
+    liger_rotary_pos_emb,
+)
+
+__all__ = ["LIGER_VERSION", "NAME_MAP", "AutoLigerKernelForCausalLM",
+           "LigerBlockSparseTop2MLP", "LigerCrossEntropyLoss", "LigerDyT", "LigerExperts", "LigerFalconH1MLP",
+           "LigerFalconH1SwiGLUMLP", "LigerFusedAddRMSNorm", "LigerFusedLinearCrossEntropyLoss", "LigerFusedLinearJSD",
+           "LigerGEGLUMLP", "LigerGroupNorm", "LigerJSD", "LigerKLDIVLoss", "LigerLayerNorm", "LigerMLP",
+           "LigerPhi3SwiGLUMLP", "LigerPolyNorm", "LigerQwen3MoeSwiGLUMLP", "LigerRMSNorm",
+           "LigerRMSNormForMuseGlimmer", "LigerRMSNormForMuseGlimmerTextCentered", "LigerReLUSquared", "LigerSoftmax",
+           "LigerSparsemax", "LigerSwiGLUMLP", "LigerSwiGLUMLPForMuseGlimmer", "LigerTVDLoss", "LigerTiledGEGLUMLP",
+           "LigerTiledSwiGLUMLP", "LigerVocabParallelCrossEntropy", "_apply_liger_kernel",
+           "_apply_liger_kernel_to_instance", "apply_liger_kernel_to_deepseek_v2", "apply_liger_kernel_to_deepseek_v3",
+           "apply_liger_kernel_to_exaone4", "apply_liger_kernel_to_falcon_h1", "apply_liger_kernel_to_gemma",
+           "apply_liger_kernel_to_gemma2", "apply_liger_kernel_to_gemma3", "apply_liger_kernel_to_gemma3_text",
+           "apply_liger_kernel_to_gemma4", "apply_liger_kernel_to_gemma4_text", "apply_liger_kernel_to_glm4",
+           "apply_liger_kernel_to_glm4v", "apply_liger_kernel_to_glm4v_moe", "apply_liger_kernel_to_gpt_oss",
+           "apply_liger_kernel_to_granite", "apply_liger_kernel_to_hunyuan_v1_dense",
+           "apply_liger_kernel_to_hunyuan_v1_moe", "apply_liger_kernel_to_internvl", "apply_liger_kernel_to_llama",
+           "apply_liger_kernel_to_llama4", "apply_liger_kernel_to_llava", "apply_liger_kernel_to_ministral",
+           "apply_liger_kernel_to_mistral", "apply_liger_kernel_to_mixtral", "apply_liger_kernel_to_mllama",
+           "apply_liger_kernel_to_nemotron", "apply_liger_kernel_to_olmo2", "apply_liger_kernel_to_olmo3",
+           "apply_liger_kernel_to_paligemma", "apply_liger_kernel_to_phi3", "apply_liger_kernel_to_pixtral",
+           "apply_liger_kernel_to_qwen2", "apply_liger_kernel_to_qwen2_5_vl", "apply_liger_kernel_to_qwen2_vl",
+           "apply_liger_kernel_to_qwen3", "apply_liger_kernel_to_qwen3_5", "apply_liger_kernel_to_qwen3_5_moe",
+           "apply_liger_kernel_to_qwen3_moe", "apply_liger_kernel_to_qwen3_next", "apply_liger_kernel_to_qwen3_vl",
+           "apply_liger_kernel_to_qwen3_vl_moe", "apply_liger_kernel_to_smollm3", "apply_liger_kernel_to_smolvlm",
+           "is_transformers_available", "liger_llama4_text_rotary_pos_emb", "liger_rotary_pos_emb",
+           "LigerFusedLinearCPOLoss", "LigerFusedLinearDPOLoss", "LigerFusedLinearGRPOLoss", "LigerFusedLinearJSDLoss",
+           "LigerFusedLinearKTOLoss", "LigerFusedLinearORPOLoss", "LigerFusedLinearSimPOLoss"]
+# The subpackages (tigon.compat.liger.transformers, .chunked_loss) are attributes, not in __all__: a star
+# import must not shadow Hugging Face's transformers.
+__getattr__ = not_provided_getattr(__name__, "liger_kernel.transformers", "liger_kernel.chunked_loss")
