@@ -18,6 +18,13 @@ from tigon.patching import FAMILIES
 DTYPE = "bfloat16" if DEVICE == "cuda" else "float32"
 
 
+@pytest.fixture(autouse=True)
+def _checks_in_this_process(monkeypatch):
+    """The checks run in this process (default_workers spreads them over spawned processes on a
+    GPU), so the tests' monkeypatched faults reach them; test_worker_processes_... asks for 2."""
+    monkeypatch.setattr(doctor, "default_workers", lambda device: 1)
+
+
 def test_every_op_of_the_suite_is_checked_at_two_shapes_one_odd():
     checks = doctor.op_checks()
     assert list(checks) == list(OP_NAMES)
@@ -42,12 +49,13 @@ def test_a_few_ops_and_a_family_pass_and_the_json_has_everything(capsys):
     """Through the command: exit status 0, the report on stderr (JSON on stdout), a progress line
     a check (stderr is no terminal here), every check and the versions in the JSON."""
     ops = ["rms_norm", "cross_entropy"]
-    status = main(["doctor", "--ops", *ops, "--families", "llama", "--json", "-", "--no-compile"])
+    status = main(["doctor", "--ops", *ops, "--families", "llama", "--json", "-", "--no-compile", "--workers", "1"])
     out, err = capsys.readouterr()
     assert status == 0, err
     result = json.loads(out)
-    n = 7 if DEVICE == "cuda" else 5  # 4 op checks (2 timings on a GPU), 1 family
-    assert f"tigon doctor: [1/{n}] rms_norm" in err and f"[{n}/{n}] family llama" in err
+    n = 7 if DEVICE == "cuda" else 5  # 4 op checks, 1 family, then 2 timings on a GPU
+    assert f"tigon doctor: [1/{n}] rms_norm" in err and "[5/" in err and "] family llama" in err
+    assert DEVICE != "cuda" or f"[{n}/{n}] timing cross_entropy" in err
     assert err.rstrip().splitlines()[-1].startswith("tigon is healthy here: 5 checks passed")
     env = result["environment"]
     for key in ("python", "tigon", "torch", "triton", "transformers", "cuda", "gpu", "capability", "kernels"):
@@ -65,6 +73,16 @@ def test_a_few_ops_and_a_family_pass_and_the_json_has_everything(capsys):
         assert [t["op"] for t in result["timings"]] == ops and all(t["vs_eager"] for t in result["timings"])
     else:
         assert result["timings"] == [] and "vs eager / vs compile: —" in err
+
+
+def test_worker_processes_give_the_rows_of_one_process():
+    """--workers 2: the checks in two spawned processes, their rows in the same order and equal
+    (each check seeds from its own name, shape and dtype)."""
+    alone = doctor.run(ops=["rms_norm", "swiglu"], families=["llama"], progress=False, workers=1)
+    spread = doctor.run(ops=["rms_norm", "swiglu"], families=["llama"], progress=False, workers=2)
+    assert spread["settings"]["workers"] == 2 and spread["status"] == 0
+    for part, keys in (("ops", ("op", "shape", "max_error", "passed")), ("families", ("family", "loss_diff"))):
+        assert [[r[k] for k in keys] for r in spread[part]] == [[r[k] for k in keys] for r in alone[part]]
 
 
 def _run_rms_norm():

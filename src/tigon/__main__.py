@@ -4,4 +4,5 @@ import sys
 
 from tigon.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a spawned worker process imports this module as __mp_main__
+    sys.exit(main())

@@ -203,6 +203,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                         help="time tigon against torch eager only, not torch.compile (saves its compiles)")
     doctor.add_argument("--json", metavar="PATH", type=lambda text: text if text == "-" else _output_file(text),
                         help="also write everything (versions included) as JSON, for bug reports ('-': stdout)")
+    doctor.add_argument("--workers", type=_positive_int,
+                        help="processes that run the checks side by side (default: half the cores, at most 8, on a "
+                             "GPU, where the time is Triton's compiles; 1 in the interpreter)")
     doctor.add_argument("--no-progress", action="store_true")
     return parser, dict(env=env, demo=demo, bench=bench, plan=plan, doctor=doctor)
 
@@ -321,7 +324,7 @@ def _doctor(args) -> int:
             raise BadArgument(flag, str(exc)) from None
     try:
         return doctor.main(args.ops, args.families, compile=not args.no_compile, json_path=args.json,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, workers=args.workers)
     except doctor.CannotRun as exc:
         print(f"tigon doctor: {exc}", file=sys.stderr)
         return 2

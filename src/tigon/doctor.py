@@ -26,12 +26,15 @@ Four parts, each reported as a table, then a one-line verdict:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 import functools
 import inspect
 import json
 import math
+import multiprocessing
+import os
 import platform
 import sys
 import time
@@ -708,12 +711,71 @@ def choose(names, known, what: str) -> list[str] | None:
     return list(dict.fromkeys(names))
 
 
-def run(ops=None, families=None, compile=True, progress=True) -> dict:
+def default_workers(device: str) -> int:
+    """Processes that run the checks side by side. On a GPU a first run's time is Triton's and
+    inductor's compiles, one CPU core each, so the checks spread over half the cores (at most 8);
+    the compiled kernels land in their on-disk caches, which every process shares. In the
+    interpreter: 1 (the checks run in this process)."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2)) if device == "cuda" else 1
+
+
+def _warm_compile(op: str, shape: tuple) -> dict:
+    """One fwd+bwd of ``tigon bench``'s torch.compile case of ``op`` at ``shape``: fills inductor's
+    and Triton's on-disk caches for the timing, which then runs alone in the first process."""
+    case = next(c for c in op_checks()[op].bench(shape) if c.op == op)
+    inputs = case.make_inputs()
+    outs = [o for o in _as_tuple(case.impls["torch.compile"](*inputs))
+            if isinstance(o, torch.Tensor) and o.requires_grad]
+    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    torch.cuda.synchronize()
+    return {}
+
+
+def _run_task(task: tuple) -> dict:
+    """One check: ("op", op, shape, dtype name, device), ("family", name, device, dtype name) or
+    ("warm", op, shape), with its seconds; a worker process's entry point."""
+    kind, *args = task
+    if kind == "op":
+        op, shape, dtype, device = args
+        return _timed(check_op, op, shape, getattr(torch, dtype), device)
+    if kind == "family":
+        name, device, dtype = args
+        return _timed(check_family, name, device, getattr(torch, dtype))
+    try:
+        return _warm_compile(*args)
+    except Exception:  # the timing reports what fails; warming only saves time
+        return {}
+
+
+def _run_tasks(tasks: list[tuple], workers: int, update) -> list[dict]:
+    """Each task's row, in order; in ``workers`` spawned processes when more than 1."""
+    checks = op_checks()
+    labels = [f"{task[1]} {checks[task[1]].label(task[2])}" if task[0] == "op" else
+              f"family {task[1]}" if task[0] == "family" else f"warming torch.compile: {task[1]}" for task in tasks]
+    if workers <= 1:
+        rows = []
+        for task, label in zip(tasks, labels):
+            update(label)
+            rows.append(_run_task(task))
+        return rows
+    rows = [None] * len(tasks)
+    # spawn, not fork: the first process has CUDA initialised.
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_run_task, task): i for i, task in enumerate(tasks)}
+        for future in concurrent.futures.as_completed(futures):
+            i = futures[future]
+            update(labels[i])
+            rows[i] = future.result()
+    return rows
+
+
+def run(ops=None, families=None, compile=True, progress=True, workers=None) -> dict:
     """Run the doctor: ``ops`` (names of OP_NAMES, or ["all"] / ["none"]; None: all), ``families``
     (names of FAMILIES, or ["all"] / ["none"]; None: all), torch.compile timed on a GPU unless
-    ``compile`` is False. Returns everything as a dict: environment, settings, ops, timings,
-    families, seconds, failed, skipped, verdict, status (the exit status: 0 when every check passed).
-    ValueError for an unknown name; CannotRun where the kernels cannot run."""
+    ``compile`` is False, the checks in ``workers`` processes (None: default_workers). Returns
+    everything as a dict: environment, settings, ops, timings, families, seconds, failed,
+    skipped, verdict, status (the exit status: 0 when every check passed). ValueError for an
+    unknown name; CannotRun where the kernels cannot run."""
 
     start = time.perf_counter()
     checks = op_checks()
@@ -722,45 +784,43 @@ def run(ops=None, families=None, compile=True, progress=True) -> dict:
     env = environment()
     if env["kernels"] == "cannot run":
         raise CannotRun("tigon's kernels cannot run here: torch sees no CUDA GPU and Triton's interpreter is off "
-                        "(set TRITON_INTERPRET=1 before importing tigon)")
+                        "(TRITON_INTERPRET=0; unset it, or set it to 1)")
     device = "cpu" if env["kernels"] == "interpreted" else "cuda"
     kind = "gpu" if device == "cuda" else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype_name = str(dtype).removeprefix("torch.")
     ops = list(checks) if ops is None else ops
     families = list(FAMILIES) if families is None else families
+    workers = default_workers(device) if workers is None else workers
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
     timed = device == "cuda"
     seconds = {"environment": time.perf_counter() - start}
-    total = sum(len(checks[op].shapes[kind]) for op in ops) + (len(ops) if timed else 0) + len(families)
+    hf = _dist_version("transformers")
+    op_tasks = [("op", op, shape, dtype_name, device) for op in ops for shape in checks[op].shapes[kind]]
+    family_tasks = [("family", name, device, dtype_name) for name in families] if hf else []
+    warm_tasks = [("warm", op, checks[op].shapes[kind][0]) for op in ops] if timed and compile and workers > 1 else []
+    total = len(op_tasks) + len(family_tasks) + len(warm_tasks) + (len(ops) if timed else 0)
     update, close = _progress(total, progress)
     result = {"doctor_version": 1, "environment": env,
-              "settings": {"device": device, "dtype": str(dtype).removeprefix("torch."), "ops": ops,
-                           "families": families, "timed": timed,
-                           "compile": compile and timed},
+              "settings": {"device": device, "dtype": dtype_name, "ops": ops, "families": families,
+                           "timed": timed, "compile": compile and timed, "workers": workers},
               "ops": [], "timings": [], "families": []}
     try:
         mark = time.perf_counter()
-        for op in ops:
-            for shape in checks[op].shapes[kind]:
-                update(f"{op} {checks[op].label(shape)}")
-                result["ops"].append(_timed(check_op, op, shape, dtype, device))
-        seconds["ops"] = time.perf_counter() - mark
+        rows = _run_tasks(op_tasks + family_tasks + warm_tasks, workers, update)
+        result["ops"] = rows[:len(op_tasks)]
+        result["families"] = rows[len(op_tasks):len(op_tasks) + len(family_tasks)] if hf else [
+            {"family": name, "status": "skipped", "reason": 'transformers is not installed: pip install "tigon[hf]"'}
+            for name in families]
+        seconds["checks"] = time.perf_counter() - mark
         mark = time.perf_counter()
-        if timed:
+        if timed:  # alone on the GPU, after the checks
             for op in ops:
                 shape = checks[op].shapes[kind][0]
                 update(f"timing {op}")
                 result["timings"].append(time_op(op, shape, compile))
         seconds["timing"] = time.perf_counter() - mark
-        mark = time.perf_counter()
-        hf = _dist_version("transformers")
-        for name in families:
-            update(f"family {name}")
-            if hf is None:
-                result["families"].append({"family": name, "status": "skipped", "reason": (
-                    'transformers is not installed: pip install "tigon[hf]"')})
-                continue
-            result["families"].append(_timed(check_family, name, device, dtype))
-        seconds["families"] = time.perf_counter() - mark
     finally:
         close()
     seconds["total"] = time.perf_counter() - start
@@ -862,7 +922,7 @@ def report(result: dict) -> str:
                      f"{_sci(FLOOR[getattr(torch, settings['dtype'])])}")
         lines.append("")
     sec = result["seconds"]
-    lines.append("time: " + ", ".join(f"{part} {sec[part]:.0f} s" for part in ("ops", "timing", "families", "total")
+    lines.append("time: " + ", ".join(f"{part} {sec[part]:.0f} s" for part in ("checks", "timing", "total")
                                       if part in sec and (part != "timing" or settings["timed"])))
     lines.append(result["verdict"])
     return "\n".join(lines)
@@ -889,10 +949,10 @@ def write_json(result: dict, path: str) -> None:
             f.write(text + "\n")
 
 
-def main(ops=None, families=None, compile=True, json_path=None, progress=True) -> int:
+def main(ops=None, families=None, compile=True, json_path=None, progress=True, workers=None) -> int:
     """``tigon doctor``: run, print the report (on stderr when the JSON goes to stdout), write the
     JSON when asked; the exit status (0: every check passed)."""
-    result = run(ops, families, compile, progress)
+    result = run(ops, families, compile, progress, workers)
     print(report(result), file=sys.stderr if json_path == "-" else sys.stdout, flush=True)
     if json_path:
         write_json(result, json_path)

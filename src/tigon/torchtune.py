@@ -39,9 +39,11 @@ def _bind(fn, module):
 
 
 def _torchtune_modules():
-    require_extra("torchtune", "tigon.torchtune")
-    from torchtune.modules import FeedForward, TiedLinear, TransformerDecoder
-
+    try:
+        from torchtune.modules import FeedForward, TiedLinear, TransformerDecoder
+    except ImportError:  # only then: a compiled forward calls this, and the check is no graph to trace
+        require_extra("torchtune", "tigon.torchtune")
+        raise
     return FeedForward, TiedLinear, TransformerDecoder
 
 

@@ -69,6 +69,10 @@ def cut_cross_entropy():
 
 
 def compiled(fn):
+    """torch.compile of a case's eager implementation. Every case's compiled function shares
+    torch.compile's wrapper code, whose compiled entries dynamo caps at 8 by default (then it runs
+    eager, silently but for a warning): a suite of cases needs more."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     return torch.compile(fn, dynamic=False)
 
 

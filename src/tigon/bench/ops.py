@@ -85,7 +85,6 @@ def max_rel_err(a, b):
 def run_cases(indices, quick, limits, rows_out):
     """Measure every implementation of the cases `indices` in this process, rewriting rows_out
     (JSON) after each case, so a crash loses only the case it happened in."""
-    torch._dynamo.config.cache_size_limit = 64
     cases, _ = all_cases(quick)
     rows = []
     for index in indices:
