@@ -51,20 +51,12 @@ from tigon.api import patch
 from tigon.bench import layer_cases, loss_cases
 from tigon.bench.cases import OP_NAMES
 from tigon.bench.harness import Row, gpu_ms, measure
+from tigon.extras import installed_version
 from tigon.ops import _common
 from tigon.ops._common import interpreter_enabled
 from tigon.patching import FAMILIES, unpatch
 
 # ---- the environment ----
-
-
-def _dist_version(name: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 # The optional packages whose versions the environment lists (the peers tigon is compared with).
@@ -79,9 +71,9 @@ def environment() -> dict:
 
     facts = {"python": platform.python_version(), "platform": platform.platform(), "tigon": __version__,
              "torch": torch.__version__, "triton": triton.__version__,
-             "transformers": _dist_version("transformers"), "cuda": torch.version.cuda, "gpu": None,
+             "transformers": installed_version("transformers"), "cuda": torch.version.cuda, "gpu": None,
              "capability": None, "gpu_memory_gib": None, "gpus": 0, "executable": sys.executable,
-             "packages": {name: _dist_version(name) for name in OPTIONAL_PACKAGES}}
+             "packages": {name: installed_version(name) for name in OPTIONAL_PACKAGES}}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         facts.update(gpu=props.name, capability=f"{props.major}.{props.minor}",
@@ -477,7 +469,7 @@ def time_op(op: str, shape: tuple, compile: bool = True) -> dict:
     tigon's speed ratios by GPU time (eager ms / tigon ms, ...)."""
     spec = op_checks()[op]
     row = {"op": op, "shape": spec.label(shape), "dtype": "bfloat16", "ms": {}, "dispatched_ms": {},
-           "first_call_s": {}, "errors": {}, "vs_eager": None, "vs_compile": None}
+           "measure_s": {}, "errors": {}, "vs_eager": None, "vs_compile": None}
     try:
         case = next(c for c in spec.bench(shape) if c.op == op)
     except Exception as exc:
@@ -489,7 +481,7 @@ def time_op(op: str, shape: tuple, compile: bool = True) -> dict:
         start = time.perf_counter()
         measured = measure(case.impls[impl], case.make_inputs(), Row(op, row["shape"], impl, "bfloat16"),
                            grad_output=case.grad_output, quick=True)
-        row["first_call_s"][impl] = time.perf_counter() - start  # the whole measurement, a compile included
+        row["measure_s"][impl] = time.perf_counter() - start  # the whole measurement, a compile included
         if measured.error:  # a baseline that fails here is reported, not fatal
             row["errors"][impl] = measured.error
             continue
@@ -594,7 +586,7 @@ def _check_family(name: str, device: str, dtype: torch.dtype) -> dict:
         row.update(status="skipped", reason=str(exc))
         return row
     except Exception as exc:  # HF refuses the tiny config (its options changed): nothing of tigon's to check
-        row.update(status="skipped", reason=f"transformers {_dist_version('transformers')} cannot build the tiny "
+        row.update(status="skipped", reason=f"transformers {installed_version('transformers')} cannot build the tiny "
                                             f"model: {_first_line(exc)}")
         return row
     row["model"] = type(model).__name__ + (f" (its {name} tower)" if name in HOSTED_BY else "")
@@ -610,7 +602,7 @@ def _check_family(name: str, device: str, dtype: torch.dtype) -> dict:
         exact_loss, exact_grads = _train_step(exact, ids, labels, extra, exact_dtype)
     except Exception as exc:  # HF's own model fails here: nothing of tigon's to check
         row.update(status="skipped", reason=f"HF's {type(model).__name__} fails unpatched in transformers "
-                                             f"{_dist_version('transformers')}: {_first_line(exc)}")
+                                             f"{installed_version('transformers')}: {_first_line(exc)}")
         return row
     del exact, hf
     try:
@@ -796,7 +788,7 @@ def run(ops=None, families=None, compile=True, progress=True, workers=None) -> d
         raise ValueError(f"workers must be at least 1, got {workers}")
     timed = device == "cuda"
     seconds = {"environment": time.perf_counter() - start}
-    hf = _dist_version("transformers")
+    hf = installed_version("transformers")
     op_tasks = [("op", op, shape, dtype_name, device) for op in ops for shape in checks[op].shapes[kind]]
     family_tasks = [("family", name, device, dtype_name) for name in families] if hf else []
     warm_tasks = [("warm", op, checks[op].shapes[kind][0]) for op in ops] if timed and compile and workers > 1 else []

@@ -73,12 +73,16 @@ def _normal(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def _installed(dist: str) -> bool:
+def installed_version(dist: str) -> str | None:
+    """The installed version of distribution ``dist``; None when it is not installed."""
     try:
-        metadata.version(dist)
-        return True
+        return metadata.version(dist)
     except metadata.PackageNotFoundError:
-        return False
+        return None
+
+
+def _installed(dist: str) -> bool:
+    return installed_version(dist) is not None
 
 
 def missing_from(extra: str) -> list[str]:
